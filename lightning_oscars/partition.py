@@ -1,0 +1,195 @@
+"""Partition arithmetic: which data every rank trains on in every round of an epoch.
+
+Pure functions and plain objects, no torch.distributed; every rank computes the same plan.
+
+Vocabulary:
+
+* a *slot* is one optimizer step of the busiest rank, i.e. ``accumulate_grad_batches`` Lightning batches;
+  every rank iterates the same slots, so Lightning's counters agree on all ranks;
+* a *unit* is the data of one real optimizer step of one rank (``accumulate_grad_batches`` batches of the
+  epoch's shuffled order); units are numbered ``0 .. total_units - 1`` and each is used once per epoch;
+* a *round* is a run of slots between two averagings; rank ``i`` trains on ``quotas[i]`` of them (its
+  first slots) and idles through the rest as cheap no-ops.
+
+A round takes the next ``sum(quotas)`` units: first one unit for every rank that trains at all, in rank
+order, then the rest of every rank's units, rank after rank. Because a rank's first unit does not depend on
+the quotas, the first batch of a round can be fetched before the schedule for that round is known.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["EpochPlan", "Round", "plan_rounds", "planned_slots", "round_quotas", "split_proportionally"]
+
+
+def split_proportionally(
+    weights: Sequence[float], total: int, caps: Sequence[int], floors: Sequence[int]
+) -> list[int]:
+    """Integers ``floors[i] <= q[i] <= caps[i]`` summing to ``total`` (clamped to the feasible range),
+    distributed as close to proportional to ``weights`` as the bounds allow (water-filling, then largest
+    remainders; ties go to the lower rank so every rank computes the same answer)."""
+    n = len(weights)
+    if not (len(caps) == len(floors) == n):
+        raise ValueError("weights, caps and floors must have the same length")
+    if any(f > c for f, c in zip(floors, caps)):
+        raise ValueError("every floor must be <= its cap")
+    total = max(sum(floors), min(total, sum(caps)))
+
+    def filled(level: float) -> list[float]:
+        return [min(float(c), max(float(f), level * w)) for w, c, f in zip(weights, caps, floors)]
+
+    lo, hi = 0.0, 1.0
+    while sum(filled(hi)) < total and hi < 1e18:
+        hi *= 2.0
+    for _ in range(100):
+        mid = (lo + hi) / 2.0
+        if sum(filled(mid)) < total:
+            lo = mid
+        else:
+            hi = mid
+    shares = filled(hi)
+    quotas = [max(f, min(c, int(math.floor(s + 1e-9)))) for s, c, f in zip(shares, caps, floors)]
+    missing = total - sum(quotas)
+    order = sorted(range(n), key=lambda i: (-(shares[i] - quotas[i]), i))
+    while missing > 0:
+        progressed = False
+        for i in order:
+            if missing and quotas[i] < caps[i]:
+                quotas[i] += 1
+                missing -= 1
+                progressed = True
+        if not progressed:
+            break
+    order = sorted(range(n), key=lambda i: (shares[i] - quotas[i], -i))
+    while missing < 0:
+        for i in order:
+            if missing and quotas[i] > floors[i]:
+                quotas[i] -= 1
+                missing += 1
+    return quotas
+
+
+def round_quotas(local_steps: Sequence[int], remaining_units: int, remaining_slots: int) -> list[int]:
+    """Real steps of every rank in the next round.
+
+    Normally ``local_steps`` itself. Near the end of the epoch the quotas shrink to the data that is left;
+    if the remaining slots are too few to use up the remaining data at ``local_steps`` (speeds drifted after
+    the epoch was sized), the quotas grow, up to the round length, so that no data is skipped.
+    Rank ``i`` gets at least one step while ``i < remaining_units``.
+    """
+    n = len(local_steps)
+    if remaining_units <= 0 or remaining_slots <= 0:
+        return [0] * n
+    length = min(max(local_steps), remaining_slots)
+    floors = [1 if i < remaining_units else 0 for i in range(n)]
+    caps = [length] * n
+    quotas = [max(f, min(t, length)) for t, f in zip(local_steps, floors)]
+    rounds_left = -(-remaining_slots // length)
+    needed = min(remaining_units, -(-remaining_units // rounds_left))
+    if sum(quotas) > remaining_units or sum(quotas) < needed:
+        target = remaining_units if sum(quotas) > remaining_units else needed
+        quotas = split_proportionally([float(t) for t in local_steps], target, caps, floors)
+    return quotas
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round: ``length`` slots from ``start_slot``; rank ``i`` trains ``quotas[i]`` units from ``first_unit``."""
+
+    start_slot: int
+    length: int
+    quotas: tuple[int, ...]
+    first_unit: int
+
+    @property
+    def end_slot(self) -> int:
+        return self.start_slot + self.length
+
+    @property
+    def is_empty(self) -> bool:
+        return not any(self.quotas)
+
+    def units_of(self, rank: int) -> list[int]:
+        """The units rank ``rank`` trains on, in order, one per slot from ``start_slot``."""
+        if self.quotas[rank] == 0:
+            return []
+        starters = sum(1 for q in self.quotas if q > 0)
+        first = self.first_unit + sum(1 for q in self.quotas[:rank] if q > 0)
+        rest = self.first_unit + starters + sum(q - 1 for q in self.quotas[:rank] if q > 0)
+        return [first, *range(rest, rest + self.quotas[rank] - 1)]
+
+
+def plan_rounds(
+    local_steps: Sequence[int], total_units: int, total_slots: int, start_slot: int = 0, first_unit: int = 0
+) -> list[Round]:
+    """The rounds from ``start_slot`` to ``total_slots`` if every round follows ``local_steps``."""
+    steps = tuple(local_steps)
+    rounds: list[Round] = []
+    slot, unit = start_slot, first_unit
+    while slot < total_slots:
+        quotas = tuple(round_quotas(steps, total_units - unit, total_slots - slot))
+        length = max(quotas) if any(quotas) else total_slots - slot
+        rounds.append(Round(slot, length, quotas, unit))
+        slot += length
+        unit += sum(quotas)
+    return rounds
+
+
+def planned_slots(local_steps: Sequence[int], total_units: int) -> int:
+    """Slots needed to use every unit once when every round follows ``local_steps``."""
+    steps = tuple(local_steps)
+    per_round = sum(steps)
+    full_rounds = total_units // per_round
+    slots = full_rounds * max(steps)
+    left = total_units - full_rounds * per_round
+    if left:
+        slots += max(round_quotas(steps, left, max(steps)))
+    return slots
+
+
+class EpochPlan:
+    """The rounds of one epoch; later rounds are re-planned when the schedule changes at a round boundary."""
+
+    def __init__(self, world_size: int, total_units: int, total_slots: int, local_steps: Sequence[int]) -> None:
+        if len(local_steps) != world_size:
+            raise ValueError(f"local_steps has {len(local_steps)} entries for {world_size} ranks")
+        self.world_size = world_size
+        self.total_units = total_units
+        self.total_slots = total_slots
+        self.version = 0
+        self._rounds = plan_rounds(local_steps, total_units, total_slots)
+        self._starts = [r.start_slot for r in self._rounds]
+
+    @property
+    def rounds(self) -> tuple[Round, ...]:
+        return tuple(self._rounds)
+
+    def round_at(self, slot: int) -> Round:
+        index = bisect.bisect_right(self._starts, slot) - 1
+        if index < 0 or slot >= self.total_slots:
+            raise IndexError(f"slot {slot} is outside the epoch (0..{self.total_slots - 1})")
+        return self._rounds[index]
+
+    def unit_at(self, rank: int, slot: int) -> int | None:
+        """The unit ``rank`` trains on at ``slot``, or ``None`` if that slot is a no-op for it."""
+        rnd = self.round_at(slot)
+        units = rnd.units_of(rank)
+        offset = slot - rnd.start_slot
+        return units[offset] if offset < len(units) else None
+
+    def replan(self, start_slot: int, local_steps: Sequence[int]) -> None:
+        """Re-plan every round from ``start_slot`` (which must start a round) with new local steps."""
+        index = bisect.bisect_left(self._starts, start_slot)
+        if index == len(self._starts) or self._starts[index] != start_slot:
+            raise ValueError(f"slot {start_slot} does not start a round")
+        first_unit = self._rounds[index].first_unit
+        self._rounds[index:] = plan_rounds(local_steps, self.total_units, self.total_slots, start_slot, first_unit)
+        self._starts = [r.start_slot for r in self._rounds]
+        self.version += 1
+
+    def units_used(self) -> int:
+        return sum(sum(r.quotas) for r in self._rounds)

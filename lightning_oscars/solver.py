@@ -1,0 +1,210 @@
+"""Choosing the round period ``T*`` and the local steps ``tau_i`` of every rank.
+
+Pure functions: no torch, no torch.distributed. Every rank calls them with the same inputs (the step times
+agreed through the round's all-reduce) and so derives the same schedule without another collective.
+
+Two solvers are offered:
+
+* :func:`solve_schedule_alg1` follows Algorithm 1 of the Oscars paper: scan ``T`` upward from the slowest
+  step time in fixed increments while the local-step spread bound ``M`` holds, and keep the ``T`` whose
+  largest per-rank wait ``max_i mod(T, t_i)`` is smallest. Its cost grows with ``M * N * t_max / dt``.
+* :func:`solve_schedule` is exact and communication-aware. A round of compute length ``T`` lets rank ``i``
+  take ``floor(T / t_i)`` steps and then pays the all-reduce cost ``c``; its throughput is
+  ``sum_i floor(T / t_i) / (T' + c)`` with ``T' = max_i floor(T / t_i) t_i``. That function only changes at
+  the breakpoints ``k * t_i``, so the solver evaluates exactly those, takes the best throughput reachable
+  under the bounds, and returns the *shortest* round within ``tolerance`` of it: as frequent averaging as the
+  cluster can afford. Cost: ``O(K log K)`` with ``K <= N * (max_local_steps + 1)`` breakpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Schedule",
+    "schedule_from_local_steps",
+    "solve_schedule",
+    "solve_schedule_alg1",
+    "validate_step_times",
+]
+
+# Relative slack when flooring T / t_i, so that T = k * t_i computed in floating point still counts k steps.
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How many local steps every rank takes per round, and what that is predicted to cost.
+
+    Attributes:
+        local_steps: ``tau_i`` for every rank, each at least 1.
+        step_times: the per-rank seconds per optimizer step the schedule was solved for.
+        allreduce_time: the seconds one averaging all-reduce was assumed to take.
+    """
+
+    local_steps: tuple[int, ...]
+    step_times: tuple[float, ...]
+    allreduce_time: float = 0.0
+
+    @property
+    def num_slots(self) -> int:
+        """Steps of the busiest rank: the round's length in Lightning batches (before accumulation)."""
+        return max(self.local_steps)
+
+    @property
+    def period(self) -> float:
+        """``T*``: seconds until the last rank finishes its local steps."""
+        return max(tau * t for tau, t in zip(self.local_steps, self.step_times))
+
+    @property
+    def idle_times(self) -> tuple[float, ...]:
+        """Seconds every rank waits at the barrier per round."""
+        period = self.period
+        return tuple(period - tau * t for tau, t in zip(self.local_steps, self.step_times))
+
+    @property
+    def utilization(self) -> float:
+        """Share of the cluster's time spent computing (all-reduce and waits count as lost)."""
+        busy = sum(tau * t for tau, t in zip(self.local_steps, self.step_times))
+        return busy / (len(self.local_steps) * (self.period + self.allreduce_time))
+
+    @property
+    def throughput(self) -> float:
+        """Predicted optimizer steps per second summed over ranks."""
+        return sum(self.local_steps) / (self.period + self.allreduce_time)
+
+    def evaluated_at(self, step_times: Sequence[float], allreduce_time: float | None = None) -> Schedule:
+        """The same local steps, priced with other step times (to compare against a re-solved schedule)."""
+        times = validate_step_times(step_times)
+        if len(times) != len(self.local_steps):
+            raise ValueError(f"step_times has {len(times)} entries, the schedule {len(self.local_steps)}")
+        cost = self.allreduce_time if allreduce_time is None else allreduce_time
+        return Schedule(self.local_steps, times, cost)
+
+
+def validate_step_times(step_times: Sequence[float], name: str = "step_times") -> tuple[float, ...]:
+    """Return ``step_times`` as floats, or raise ``ValueError`` naming ``name`` if any is not finite and > 0."""
+    times = tuple(float(t) for t in step_times)
+    if not times:
+        raise ValueError(f"{name} must not be empty")
+    for rank, t in enumerate(times):
+        if not math.isfinite(t) or t <= 0.0:
+            raise ValueError(f"{name}[{rank}] = {t!r}: every step time must be a finite number of seconds > 0")
+    return times
+
+
+def _check_bounds(max_spread: int, max_local_steps: int) -> None:
+    if isinstance(max_spread, bool) or not isinstance(max_spread, int) or max_spread < 1:
+        raise ValueError(f"max_spread must be an integer >= 1, got {max_spread!r}")
+    if isinstance(max_local_steps, bool) or not isinstance(max_local_steps, int) or max_local_steps < 1:
+        raise ValueError(f"max_local_steps must be an integer >= 1, got {max_local_steps!r}")
+
+
+def _steps_in(period: float, step_time: float) -> int:
+    return int(math.floor(period / step_time + _EPS))
+
+
+def schedule_from_local_steps(
+    local_steps: Sequence[int], step_times: Sequence[float] | None = None, allreduce_time: float = 0.0
+) -> Schedule:
+    """A pinned schedule. Without ``step_times`` the ranks are priced as equally fast (1 s per step)."""
+    steps = tuple(local_steps)
+    if not steps:
+        raise ValueError("local_steps must not be empty")
+    for rank, tau in enumerate(steps):
+        if isinstance(tau, bool) or not isinstance(tau, int) or tau < 1:
+            raise ValueError(f"local_steps[{rank}] = {tau!r}: every rank needs an integer >= 1 local steps")
+    times = validate_step_times(step_times) if step_times is not None else (1.0,) * len(steps)
+    if len(times) != len(steps):
+        raise ValueError(f"local_steps has {len(steps)} entries but step_times has {len(times)}")
+    return Schedule(steps, times, float(allreduce_time))
+
+
+def solve_schedule_alg1(
+    step_times: Sequence[float],
+    max_spread: int = 8,
+    *,
+    max_local_steps: int = 64,
+    increment: float | None = None,
+) -> Schedule:
+    """The paper's Algorithm 1: a fixed-increment scan of ``T`` minimising the largest wait ``max_i mod(T, t_i)``.
+
+    The scan starts at ``T = max_i t_i`` and continues while
+    ``floor(T / min t) - floor(T / max t) < max_spread`` (the spread bound ``M``). On equal speeds that bound
+    never fails, so the scan also stops once the fastest rank would exceed ``max_local_steps``: a guard the
+    paper does not need to state but a terminating implementation does. ``increment`` defaults to 1% of
+    the fastest step time. Ties keep the smallest ``T``.
+    """
+    times = validate_step_times(step_times)
+    _check_bounds(max_spread, max_local_steps)
+    t_min, t_max = min(times), max(times)
+    dt = t_min / 100.0 if increment is None else float(increment)
+    if not math.isfinite(dt) or dt <= 0.0:
+        raise ValueError(f"increment must be a finite number of seconds > 0, got {increment!r}")
+
+    best_period, best_wait = t_max, math.inf
+    period = t_max
+    while (
+        _steps_in(period, t_min) - _steps_in(period, t_max) < max_spread
+        and _steps_in(period, t_min) <= max_local_steps
+    ):
+        wait = max(period - _steps_in(period, t) * t for t in times)
+        if wait < best_wait - 1e-12:
+            best_period, best_wait = period, wait
+        period += dt
+    steps = tuple(max(1, _steps_in(best_period, t)) for t in times)
+    return Schedule(steps, times)
+
+
+def solve_schedule(
+    step_times: Sequence[float],
+    allreduce_time: float = 0.0,
+    *,
+    max_spread: int = 8,
+    max_local_steps: int = 16,
+    tolerance: float = 0.05,
+) -> Schedule:
+    """Exact, communication-aware solver (see the module docstring).
+
+    Args:
+        step_times: seconds per optimizer step of every rank.
+        allreduce_time: seconds one averaging all-reduce costs; it makes short rounds expensive.
+        max_spread: ``M``; the fastest and slowest rank's local steps differ by less than this.
+        max_local_steps: no rank takes more local steps than this per round (bounds staleness).
+        tolerance: accept a round whose throughput is within this fraction of the best, preferring the
+            shortest such round (more frequent averaging helps convergence).
+    """
+    times = validate_step_times(step_times)
+    _check_bounds(max_spread, max_local_steps)
+    if not math.isfinite(allreduce_time) or allreduce_time < 0.0:
+        raise ValueError(f"allreduce_time must be a finite number of seconds >= 0, got {allreduce_time!r}")
+    if not 0.0 <= tolerance < 1.0:
+        raise ValueError(f"tolerance must lie in [0, 1), got {tolerance!r}")
+
+    t_min, t_max = min(times), max(times)
+    # Feasible periods: every rank takes >= 1 step (T >= t_max), the fastest at most max_local_steps.
+    t_upper = (max_local_steps + 1) * t_min * (1.0 - _EPS)
+    # Every breakpoint k * t_i up to t_upper. The number of breakpoints <= T is exactly sum_i floor(T / t_i),
+    # so after sorting, a breakpoint's position gives the total steps of a round of that length.
+    breakpoints = sorted(k * t for t in times for k in range(1, _steps_in(t_upper, t) + 1))
+
+    candidates: list[tuple[float, int]] = []  # (period, total steps) for feasible periods
+    for position, period in enumerate(breakpoints):
+        if position + 1 < len(breakpoints) and breakpoints[position + 1] <= period * (1.0 + _EPS):
+            continue  # equal breakpoints: the last of them carries the full count
+        if period < t_max * (1.0 - _EPS):
+            continue
+        if _steps_in(period, t_min) - _steps_in(period, t_max) >= max_spread:
+            break  # the spread only grows with T
+        candidates.append((period, position + 1))
+
+    if not candidates:  # spread bound tighter than any round allows: one step each
+        return Schedule((1,) * len(times), times, float(allreduce_time))
+    best = max(total / (period + allreduce_time) for period, total in candidates)
+    for period, total in candidates:
+        if total / (period + allreduce_time) >= (1.0 - tolerance) * best:
+            steps = tuple(max(1, _steps_in(period, t)) for t in times)
+            return Schedule(steps, times, float(allreduce_time))
+    raise AssertionError("unreachable: the best candidate satisfies its own tolerance")

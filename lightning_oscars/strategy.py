@@ -1,0 +1,690 @@
+"""``OscarsStrategy``: load-balanced local SGD as a Lightning ``DDPStrategy``.
+
+How a run proceeds (every rank, in lockstep on Lightning's batch counter):
+
+* Each epoch is cut into *rounds* (see ``partition.py``). In a round every rank iterates the same slots; rank
+  ``i`` trains in its first ``tau_i`` slots and treats the rest as no-ops: no data is fetched, no forward,
+  backward or optimizer step runs, but Lightning's counters, step-interval LR schedulers and hooks advance as
+  on every other rank. So ``global_step``, ``max_steps``, ``val_check_interval`` and checkpoint triggers fire
+  at the same batch on all ranks, which is what keeps every collective matched.
+* At the end of a round the ranks average parameters and buffers with one all-reduce over a flat buffer.
+  The same buffer carries each rank's step time, sample count, stop and SIGTERM requests and expired
+  ``max_time``; every rank then runs the same solver on the same numbers and adopts the same schedule.
+* Averaging also happens before validation, before a checkpoint is written, at the end of every epoch and
+  of ``fit``, so that evaluation and checkpoints see the averaged model.
+* Lightning's per-batch collectives (SIGTERM broadcast, ``Timer`` broadcast, ``sync_dist`` inside
+  ``training_step``) are replaced by their round-boundary equivalents.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_oscars.averaging import FlatAverager, averaged_tensors
+from lightning_oscars.loader import LoadBalancedLoader, SlotInfo
+from lightning_oscars.partition import EpochPlan, Round, planned_slots
+from lightning_oscars.solver import (
+    Schedule,
+    schedule_from_local_steps,
+    solve_schedule,
+    solve_schedule_alg1,
+    validate_step_times,
+)
+from lightning_oscars.timing import LapClock, StepTimeEstimator, make_clock
+
+__all__ = ["OscarsStrategy", "RoundRecord"]
+
+log = logging.getLogger(__name__)
+
+Solver = Literal["exact", "alg1", "uniform"]
+Averaging = Literal["uniform", "samples"]
+
+# Per-rank fields of the control vector, then the global ones after all ranks' fields.
+_STEP_TIME, _SAMPLES, _COMPUTE, _ALLREDUCE, _GLOBAL_STEP = range(5)
+_PER_RANK = 5
+_WEIGHT, _STOP, _SIGTERM = range(3)
+_GLOBAL = 3
+
+
+class RoundRecord(dict):
+    """One averaging: ``round``, ``epoch``, ``global_step``, ``local_steps``, ``step_times``, ``samples``,
+    ``compute_times``, ``idle_times``, ``utilization``, ``allreduce_time``, ``period`` and ``rebalanced``."""
+
+
+class OscarsStrategy(DDPStrategy):
+    """Load-balanced local SGD for clusters whose ranks run at different speeds (the Oscars method).
+
+    Args:
+        solver: ``"exact"`` (communication-aware, exact; default), ``"alg1"`` (the paper's Algorithm 1) or
+            ``"uniform"`` (fixed-period local SGD: every rank takes ``max_local_steps`` steps per round).
+        averaging: ``"uniform"`` (the paper's Eq. 4: plain mean) or ``"samples"`` (weighted by the samples
+            each rank trained on in the round).
+        average_optimizer_state: also average the optimizers' per-parameter state (momentum, Adam moments);
+            by default it stays local.
+        max_spread: ``M``: the local steps of the fastest and slowest rank differ by less than this.
+        max_local_steps: no rank takes more than this many local steps per round.
+        efficiency_tolerance: the exact solver picks the shortest round whose predicted throughput is within
+            this fraction of the best.
+        warmup_steps: local steps every rank takes in the first round, which is spent measuring step times.
+        rebalance_threshold: re-solve when a rank's smoothed step time moved by more than this fraction from
+            the times the schedule was solved for.
+        min_gain: adopt a re-solved schedule only if it is predicted to be this fraction faster (hysteresis).
+        smoothing: weight of the newest round in the step-time moving average.
+        step_times: pin every rank's seconds per step (no profiling, one solve, reproducible).
+        local_steps: pin every rank's local steps per round (no profiling, no solving).
+        seed: seed of the per-epoch shuffle of the training data.
+        timeout: collective timeout; a dead rank is reported after at most this long.
+
+    Remaining arguments are those of :class:`~lightning.pytorch.strategies.DDPStrategy`.
+    """
+
+    strategy_name = "oscars"
+
+    def __init__(
+        self,
+        solver: Solver = "exact",
+        averaging: Averaging = "uniform",
+        average_optimizer_state: bool = False,
+        max_spread: int = 8,
+        max_local_steps: int = 16,
+        efficiency_tolerance: float = 0.05,
+        warmup_steps: int = 4,
+        rebalance_threshold: float = 0.2,
+        min_gain: float = 0.03,
+        smoothing: float = 0.5,
+        step_times: Sequence[float] | None = None,
+        local_steps: Sequence[int] | None = None,
+        seed: int = 0,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        for name in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name} is a DDP gradient-hook option; oscars does not wrap the model in DDP")
+        super().__init__(
+            timeout=timeout, start_method=start_method, process_group_backend=process_group_backend, **kwargs
+        )
+        if solver not in ("exact", "alg1", "uniform"):
+            raise ValueError(f"solver must be 'exact', 'alg1' or 'uniform', got {solver!r}")
+        if averaging not in ("uniform", "samples"):
+            raise ValueError(f"averaging must be 'uniform' or 'samples', got {averaging!r}")
+        for name, value in (("max_spread", max_spread), ("max_local_steps", max_local_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be an integer >= 1, got {warmup_steps!r}")
+        for name, value, upper in (
+            ("efficiency_tolerance", efficiency_tolerance, 1.0),
+            ("rebalance_threshold", rebalance_threshold, math.inf),
+            ("min_gain", min_gain, math.inf),
+        ):
+            if not isinstance(value, (int, float)) or not (0.0 <= value < upper):
+                raise ValueError(f"{name} must be a number in [0, {upper}), got {value!r}")
+        if not isinstance(smoothing, (int, float)) or not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must lie in (0, 1], got {smoothing!r}")
+        if step_times is not None and local_steps is not None:
+            raise ValueError("pin either step_times or local_steps, not both")
+        self.pinned_step_times = validate_step_times(step_times) if step_times is not None else None
+        self.pinned_local_steps = (
+            schedule_from_local_steps(local_steps).local_steps if local_steps is not None else None
+        )
+        self.solver = solver
+        self.averaging = averaging
+        self.average_optimizer_state = bool(average_optimizer_state)
+        self.max_spread = max_spread
+        self.max_local_steps = max_local_steps
+        self.efficiency_tolerance = float(efficiency_tolerance)
+        self.warmup_steps = warmup_steps
+        self.rebalance_threshold = float(rebalance_threshold)
+        self.min_gain = float(min_gain)
+        self.smoothing = float(smoothing)
+        self.seed = int(seed)
+
+        self.schedule: Schedule | None = None
+        self.history: list[RoundRecord] = []
+        self.num_averagings = 0
+        self._reset_run_state()
+
+    # ------------------------------------------------------------------ state
+
+    def _reset_run_state(self) -> None:
+        self._estimator = StepTimeEstimator(self.smoothing)
+        self._clock: LapClock | None = None
+        self._averager: FlatAverager | None = None
+        self._loader: LoadBalancedLoader | None = None
+        self._plan: EpochPlan | None = None
+        self._plan_epoch = -1
+        self._slot = SlotInfo(True, 0)
+        self._in_local_step = False
+        self._slots_since_average = 0
+        self._round_samples = 0
+        self._round_compute = 0.0
+        self._slot_laps: list[int] = []
+        self._last_allreduce = 0.0
+        self._allreduce_cost = 0.0
+        self._known_times: list[float] = []
+        self._pending_stop = False
+        self._local_sigterm = False
+        self._timers: list[Timer] = []
+        self._manual_steps_per_batch = 0
+        self._restored: dict[str, Any] | None = getattr(self, "_restored", None)
+
+    @property
+    def is_active(self) -> bool:
+        """Local SGD is on: fitting with more than one rank."""
+        return self.world_size > 1
+
+    def _current_local_steps(self) -> tuple[int, ...]:
+        if self.schedule is not None:
+            return self.schedule.local_steps
+        return (self.warmup_steps,) * self.world_size
+
+    def _initial_schedule(self) -> Schedule | None:
+        n = self.world_size
+        if self.pinned_local_steps is not None:
+            if len(self.pinned_local_steps) != n:
+                raise ValueError(f"local_steps has {len(self.pinned_local_steps)} entries for {n} ranks")
+            return schedule_from_local_steps(self.pinned_local_steps)
+        if self.solver == "uniform":
+            return schedule_from_local_steps((self.max_local_steps,) * n)
+        if self.pinned_step_times is not None:
+            if len(self.pinned_step_times) != n:
+                raise ValueError(f"step_times has {len(self.pinned_step_times)} entries for {n} ranks")
+            return self._solve(self.pinned_step_times, 0.0)
+        return None
+
+    @property
+    def _adaptive(self) -> bool:
+        return self.pinned_local_steps is None and self.pinned_step_times is None and self.solver != "uniform"
+
+    def _solve(self, step_times: Sequence[float], allreduce_time: float) -> Schedule:
+        if self.solver == "alg1":
+            solved = solve_schedule_alg1(step_times, self.max_spread, max_local_steps=self.max_local_steps)
+            return Schedule(solved.local_steps, solved.step_times, allreduce_time)
+        return solve_schedule(
+            step_times,
+            allreduce_time,
+            max_spread=self.max_spread,
+            max_local_steps=self.max_local_steps,
+            tolerance=self.efficiency_tolerance,
+        )
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def configure_ddp(self) -> None:
+        # No DistributedDataParallel wrapper: no gradient all-reduce per step. Start from rank 0's weights.
+        assert self.model is not None
+        _sync_module_states(self.model)
+
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING or not self.is_active:
+            return
+        if self._layer_sync is not None:
+            raise ValueError(
+                "sync_batchnorm=True all-reduces inside every forward pass, which oscars' local steps cannot"
+                " allow; BatchNorm statistics are averaged at every round instead. Remove sync_batchnorm, or"
+                " use strategy='ddp'."
+            )
+        if getattr(trainer, "_val_check_time_interval", None) is not None:
+            raise ValueError(
+                "A time-based val_check_interval is decided on each rank's own clock; under oscars use an int"
+                " or float val_check_interval, or strategy='ddp'."
+            )
+        if trainer.overfit_batches > 0:
+            raise ValueError("overfit_batches is not supported by strategy='oscars'; use strategy='ddp'")
+        if trainer.max_steps not in (-1, None) and 0 < trainer.max_steps < self.warmup_steps and self._adaptive:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} is longer than the run (max_steps={trainer.max_steps});"
+                " lower warmup_steps or pin step_times/local_steps"
+            )
+        self.schedule = self._initial_schedule()
+        self._clock = make_clock(self.root_device)
+        if not any(isinstance(cb, _RoundCallback) for cb in trainer.callbacks):
+            trainer.callbacks.insert(0, _RoundCallback(self))
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if (
+            trainer is None
+            or not self.is_active
+            or trainer.state.fn != TrainerFn.FITTING
+            or trainer.state.stage != RunningStage.TRAINING
+        ):
+            return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise ValueError(
+                f"strategy='oscars' needs a torch DataLoader for training, got {type(dataloader).__name__}"
+            )
+        if isinstance(trainer.fit_loop._data_fetcher, _DataLoaderIterDataFetcher) or _takes_dataloader_iter(
+            self.lightning_module
+        ):
+            raise ValueError("training_step(dataloader_iter) is not supported by strategy='oscars'")
+        sampler = dataloader.sampler
+        shuffle = bool(getattr(sampler, "shuffle", isinstance(sampler, torch.utils.data.RandomSampler)))
+        loader = LoadBalancedLoader(
+            dataloader,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            shuffle=shuffle,
+            seed=self.seed,
+            batches_per_slot=trainer.accumulate_grad_batches,
+        )
+        self._loader = loader
+        self._plan_epoch = -1
+        return loader
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        loader = self._loader
+        if loader is not None and loader.slot_infos and self.lightning_module.trainer.training:
+            self._slot = loader.slot_infos.popleft()
+            if not self._slot.real:
+                return batch  # a no-op slot: nothing to move
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_local_step = self.is_active
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._in_local_step = False
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if self._in_local_step:
+            # self.log(..., sync_dist=True) inside a local step: ranks run different numbers of steps, so the
+            # value stays rank-local here; epoch-level aggregates are reduced at the epoch end as usual.
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        self._forbid_collective("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def barrier(self, name: str | None = None) -> None:
+        self._forbid_collective("barrier")
+        super().barrier(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._forbid_collective("broadcast")
+        return super().broadcast(obj, src)
+
+    def _forbid_collective(self, name: str) -> None:
+        if self._in_local_step:
+            raise RuntimeError(
+                f"{name} was called inside training_step, which under strategy='oscars' runs a different number"
+                " of times on every rank, so the collective could never be matched. Move it to an epoch or"
+                " validation hook, or use strategy='ddp'."
+            )
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Called by trainer.save_checkpoint on every rank: checkpoints hold the averaged model.
+        self.average_if_pending()
+        return super().lightning_module_state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.is_active and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            checkpoint["oscars"] = self.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._restored = checkpoint.get("oscars")
+        return checkpoint
+
+    def teardown(self) -> None:
+        self._loader = None
+        self._averager = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ checkpoint state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Schedule, timing estimates and the epoch's plan, as stored in checkpoints under ``"oscars"``."""
+        plan = self._plan
+        return {
+            "world_size": self.world_size,
+            "local_steps": list(self.schedule.local_steps) if self.schedule else None,
+            "step_times": list(self.schedule.step_times) if self.schedule else None,
+            "allreduce_time": self._allreduce_cost,
+            "known_times": list(self._known_times),
+            "estimate": self._estimator.value,
+            "num_averagings": self.num_averagings,
+            "plan_epoch": self._plan_epoch,
+            "plan": None
+            if plan is None
+            else {
+                "total_units": plan.total_units,
+                "total_slots": plan.total_slots,
+                "rounds": [[r.start_slot, r.length, list(r.quotas), r.first_unit] for r in plan.rounds],
+            },
+        }
+
+    def _apply_restored_state(self) -> None:
+        state, self._restored = self._restored, None
+        if not state or state.get("world_size") != self.world_size:
+            return  # fresh profiling: a different cluster shape invalidates per-rank timings
+        self.num_averagings = int(state.get("num_averagings", 0))
+        self._allreduce_cost = float(state.get("allreduce_time") or 0.0)
+        if self._adaptive and state.get("local_steps"):
+            self.schedule = Schedule(
+                tuple(state["local_steps"]), tuple(state["step_times"]), self._allreduce_cost
+            )
+            self._known_times = list(state.get("known_times") or [])
+            if state.get("estimate"):
+                self._estimator.value = float(state["estimate"])
+        plan = state.get("plan")
+        if plan is not None and self._loader is not None and plan["total_units"] == self._loader.total_units:
+            restored = EpochPlan(self.world_size, plan["total_units"], plan["total_slots"], (1,) * self.world_size)
+            restored._rounds = [Round(s, n, tuple(q), u) for s, n, q, u in plan["rounds"]]
+            restored._starts = [r.start_slot for r in restored._rounds]
+            self._plan = restored
+            self._plan_epoch = int(state["plan_epoch"])
+
+    # ------------------------------------------------------------------ round logic (called by _RoundCallback)
+
+    def on_fit_train_start(self, trainer: Trainer) -> None:
+        self._neutralise_per_batch_collectives(trainer)
+        self._install_noop_slots(trainer)
+        self._apply_restored_state()
+        loop = trainer.fit_loop.epoch_loop
+        if trainer.fit_loop.restarting or loop.batch_progress.current.ready > 0:
+            # Resuming mid-epoch: continue the checkpointed epoch's plan from the restored batch.
+            self.start_epoch(trainer, resume_at=loop.batch_progress.current.ready)
+
+    def start_epoch(self, trainer: Trainer, resume_at: int = 0) -> None:
+        loader = self._loader
+        if loader is None:
+            return
+        epoch = trainer.current_epoch
+        if self._plan is None or self._plan_epoch != epoch:
+            steps = self._current_local_steps()
+            if self.schedule is None:
+                total_slots = loader.total_units  # speeds unknown: an upper bound; spare slots are no-ops
+            else:
+                total_slots = planned_slots(steps, loader.total_units)
+            self._plan = EpochPlan(self.world_size, loader.total_units, total_slots, steps)
+            self._plan_epoch = epoch
+        loader.set_plan(self._plan)
+        loader.start_position = resume_at
+        batches = self._plan.total_slots * trainer.accumulate_grad_batches
+        num = _parse_num_batches(RunningStage.TRAINING, batches, trainer.limit_train_batches)
+        trainer.fit_loop.max_batches = int(num)
+        if isinstance(trainer.val_check_interval, float):
+            trainer.val_check_batch = max(1, int(trainer.num_training_batches * trainer.val_check_interval))
+        self._slots_since_average = 0
+        self._round_samples = 0
+        self._round_compute = 0.0
+        if self._clock is not None:
+            self._clock.drain()
+            self._clock.mark()
+        self._slot_laps = []
+
+    def end_batch(self, trainer: Trainer, batch_idx: int) -> None:
+        plan = self._plan
+        if plan is None:
+            return
+        if trainer.should_stop:  # a rank-local stop request waits for the round boundary
+            self._pending_stop = True
+            trainer.should_stop = False
+        k = trainer.accumulate_grad_batches
+        slot = batch_idx // k
+        if self._slot.real:
+            assert self._clock is not None
+            self._clock.lap()
+            self._slot_laps.append(slot)
+            self._round_samples += self._slot.samples
+        slot_done = (batch_idx + 1) % k == 0 or batch_idx + 1 >= trainer.num_training_batches
+        if not slot_done or slot >= plan.total_slots:
+            return
+        rnd = plan.round_at(slot)
+        if not rnd.is_empty:
+            self._slots_since_average += 1
+            if slot + 1 == rnd.end_slot:
+                self.average(trainer, next_round=rnd.end_slot)
+
+    def average_if_pending(self) -> None:
+        """Average now if any rank trained since the last averaging (the same answer on every rank)."""
+        if not self.is_active or self._slots_since_average == 0 or self.lightning_module is None:
+            return
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        self.average(trainer, next_round=None)
+
+    def average(self, trainer: Trainer, next_round: int | None) -> None:
+        """The round's one collective: average the model, exchange control data, maybe re-balance."""
+        assert self._clock is not None
+        started = time.perf_counter()
+        laps = self._clock.drain()
+        per_slot: dict[int, float] = {}
+        for slot, seconds in zip(self._slot_laps, laps):
+            per_slot[slot] = per_slot.get(slot, 0.0) + seconds
+        self._slot_laps = []
+        for seconds in per_slot.values():
+            self._estimator.add(seconds)
+        compute = sum(laps)
+        estimate = self._estimator.end_round()
+
+        n, rank = self.world_size, self.global_rank
+        control = [0.0] * (n * _PER_RANK + _GLOBAL)
+        mine = rank * _PER_RANK
+        control[mine + _STEP_TIME] = estimate or 0.0
+        control[mine + _SAMPLES] = float(self._round_samples)
+        control[mine + _COMPUTE] = compute
+        control[mine + _ALLREDUCE] = self._last_allreduce
+        control[mine + _GLOBAL_STEP] = float(trainer.global_step)
+        weight = float(self._round_samples) if self.averaging == "samples" else 1.0
+        g = n * _PER_RANK
+        control[g + _WEIGHT] = weight
+        control[g + _STOP] = float(self._pending_stop or self._timer_expired())
+        control[g + _SIGTERM] = float(self._local_sigterm)
+
+        averager = self._get_averager()
+        if self.averaging == "samples" and weight == 0.0:
+            weight = 0.0  # an idle rank contributes nothing; the others' samples carry the mean
+        summed = averager.all_reduce(weight, control, weight_index=g + _WEIGHT)
+        self._last_allreduce = time.perf_counter() - started
+        self.num_averagings += 1
+
+        fields = [summed[i * _PER_RANK : (i + 1) * _PER_RANK] for i in range(n)]
+        steps = {int(round(f[_GLOBAL_STEP])) for f in fields}
+        if len(steps) > 1:
+            raise RuntimeError(
+                f"Ranks disagree on global_step ({sorted(steps)}). Under manual optimization oscars needs every"
+                " training_step to call optimizer.step() the same number of times."
+            )
+        if not self._known_times:
+            self._known_times = [0.0] * n
+        for i, f in enumerate(fields):
+            if f[_STEP_TIME] > 0.0:
+                self._known_times[i] = f[_STEP_TIME]
+        costs = [f[_ALLREDUCE] for f in fields if f[_ALLREDUCE] > 0.0]
+        if costs:
+            # The last rank to arrive waits least: its duration is the closest to the pure transfer cost.
+            self._allreduce_cost = min(costs)
+
+        in_force = self._current_local_steps()
+        rebalanced = self._update_schedule()
+        record = RoundRecord(
+            round=self.num_averagings,
+            epoch=trainer.current_epoch,
+            global_step=trainer.global_step,
+            local_steps=list(in_force),
+            step_times=list(self._known_times),
+            samples=[int(f[_SAMPLES]) for f in fields],
+            compute_times=[f[_COMPUTE] for f in fields],
+            allreduce_time=self._allreduce_cost,
+            rebalanced=rebalanced,
+        )
+        busiest = max(record["compute_times"])
+        record["period"] = busiest
+        record["idle_times"] = [busiest - c for c in record["compute_times"]]
+        wall = busiest + self._allreduce_cost
+        record["utilization"] = sum(record["compute_times"]) / (n * wall) if wall > 0 else 0.0
+        self.history.append(record)
+
+        if rebalanced and next_round is not None and self._plan is not None and next_round < self._plan.total_slots:
+            self._plan.replan(next_round, self._current_local_steps())
+        if summed[g + _STOP] > 0.0:
+            trainer.should_stop = True
+        self._pending_stop = False
+        if summed[g + _SIGTERM] > 0.0:
+            trainer._signal_connector.received_sigterm = True
+        self._slots_since_average = 0
+        self._round_samples = 0
+        self._clock.mark()
+
+    def _get_averager(self) -> FlatAverager:
+        if self.average_optimizer_state:
+            tensors = averaged_tensors(self.lightning_module, self.optimizers)
+            if self._averager is None or self._averager.tensors != tensors:
+                self._averager = FlatAverager(tensors, self.world_size * _PER_RANK + _GLOBAL, self.root_device)
+        elif self._averager is None:
+            tensors = averaged_tensors(self.lightning_module)
+            self._averager = FlatAverager(tensors, self.world_size * _PER_RANK + _GLOBAL, self.root_device)
+        return self._averager
+
+    def _update_schedule(self) -> bool:
+        """Re-solve from the agreed step times; return whether the local steps changed."""
+        if not self._adaptive or not all(t > 0.0 for t in self._known_times):
+            return False
+        times = tuple(self._known_times)
+        if self.schedule is None:
+            self.schedule = self._solve(times, self._allreduce_cost)
+            return True
+        reference = self.schedule.step_times
+        drift = max(abs(new - old) / old for new, old in zip(times, reference))
+        if drift <= self.rebalance_threshold:
+            return False
+        current = self.schedule.evaluated_at(times, self._allreduce_cost)
+        candidate = self._solve(times, self._allreduce_cost)
+        if candidate.local_steps != current.local_steps and candidate.throughput > current.throughput * (
+            1.0 + self.min_gain
+        ):
+            self.schedule = candidate
+            return True
+        self.schedule = current  # the new reference times: no re-solve until they drift again
+        return False
+
+    # ------------------------------------------------------------------ per-batch collectives
+
+    def _neutralise_per_batch_collectives(self, trainer: Trainer) -> None:
+        # Lightning broadcasts a SIGTERM flag on every batch; ranks here run the same batches but must not meet
+        # per batch. SIGTERM is exchanged in the round's all-reduce instead.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
+        self._timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer) and cb._interval == "step"]
+        for timer in self._timers:
+            timer.on_train_batch_end = _skip  # type: ignore[method-assign]
+        if _is_main_thread():
+            previous = trainer._signal_connector._original_handlers.get(signal.SIGTERM)
+
+            def on_sigterm(signum: int, frame: Any) -> None:
+                if not self._local_sigterm and self.launcher is not None:
+                    self.launcher.kill(signum)
+                self._local_sigterm = True
+                if callable(previous) and previous not in (signal.SIG_IGN, signal.SIG_DFL):
+                    previous(signum, frame)
+
+            signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _timer_expired(self) -> bool:
+        for timer in self._timers:
+            if timer._duration is not None and timer.time_elapsed(RunningStage.TRAINING) >= timer._duration:
+                return True
+        return False
+
+    def _install_noop_slots(self, trainer: Trainer) -> None:
+        """Make a no-op slot skip the optimization loop but advance its counters like a real step."""
+        loop = trainer.fit_loop.epoch_loop
+        automatic, manual = loop.automatic_optimization, loop.manual_optimization
+        run_automatic, run_manual = automatic.run, manual.run
+
+        def automatic_run(optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
+            if self._slot.real:
+                return run_automatic(optimizer, batch_idx, kwargs)
+            if not loop._should_accumulate():
+                automatic.optim_progress.optimizer.step.increment_ready()
+                automatic.optim_progress.optimizer.step.increment_completed()
+            return {}
+
+        def manual_run(kwargs: Any) -> Any:
+            progress = manual.optim_step_progress
+            if self._slot.real:
+                before = progress.total.completed
+                output = run_manual(kwargs)
+                self._manual_steps_per_batch = progress.total.completed - before
+                return output
+            for _ in range(self._manual_steps_per_batch):  # keep global_step equal on every rank
+                progress.increment_ready()
+                progress.increment_completed()
+            return {}
+
+        automatic.run = automatic_run  # type: ignore[method-assign]
+        manual.run = manual_run  # type: ignore[method-assign]
+
+
+class _RoundCallback(Callback):
+    """Drives the strategy's rounds from Lightning's callback hooks; placed first so that checkpoints,
+    validation and progress bars see the averaged model and the epoch's real length."""
+
+    def __init__(self, strategy: OscarsStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.on_fit_train_start(trainer)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.start_epoch(trainer)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
+        self.strategy.end_batch(trainer, kwargs.get("batch_idx", args[-1] if args else 0))
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.average_if_pending()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.strategy._clock is not None:
+            self.strategy._clock.mark()  # the next step's time must not include validation
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.average_if_pending()
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.average_if_pending()
+
+
+def _skip(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _takes_dataloader_iter(module: LightningModule) -> bool:
+    import inspect
+
+    return "dataloader_iter" in inspect.signature(module.training_step).parameters
+
