@@ -197,7 +197,7 @@ def solve_schedule(
         if period < t_max * (1.0 - _EPS):
             continue
         if _steps_in(period, t_min) - _steps_in(period, t_max) >= max_spread:
-            break  # the spread only grows with T
+            continue  # the spread is not monotone in T (it drops at multiples of t_max): keep scanning
         candidates.append((period, position + 1))
 
     if not candidates:  # spread bound tighter than any round allows: one step each

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.callbacks import Checkpoint, Timer
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
@@ -261,7 +261,14 @@ class OscarsStrategy(DDPStrategy):
         self.schedule = self._initial_schedule()
         self._clock = make_clock(self.root_device)
         if not any(isinstance(cb, _RoundCallback) for cb in trainer.callbacks):
-            trainer.callbacks.insert(0, _RoundCallback(self))
+            # Epoch sizing runs first (the progress bar reads the epoch length); the round logic runs after the
+            # user's callbacks (their time counts as step time) but before checkpointing (which must see the
+            # averaged model).
+            trainer.callbacks.insert(0, _EpochCallback(self))
+            position = next(
+                (i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), len(trainer.callbacks)
+            )
+            trainer.callbacks.insert(position, _RoundCallback(self))
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -643,9 +650,8 @@ class OscarsStrategy(DDPStrategy):
         manual.run = manual_run  # type: ignore[method-assign]
 
 
-class _RoundCallback(Callback):
-    """Drives the strategy's rounds from Lightning's callback hooks; placed first so that checkpoints,
-    validation and progress bars see the averaged model and the epoch's real length."""
+class _EpochCallback(Callback):
+    """Sizes every epoch to its plan before any other callback (progress bars) reads its length."""
 
     def __init__(self, strategy: OscarsStrategy) -> None:
         self.strategy = strategy
@@ -655,6 +661,13 @@ class _RoundCallback(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.start_epoch(trainer)
+
+
+class _RoundCallback(Callback):
+    """Ends rounds (averaging) and averages before validation, epoch end and the end of fit."""
+
+    def __init__(self, strategy: OscarsStrategy) -> None:
+        self.strategy = strategy
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
         self.strategy.end_batch(trainer, kwargs.get("batch_idx", args[-1] if args else 0))

@@ -1,0 +1,81 @@
+import random
+
+import pytest
+
+from lightning_oscars.partition import EpochPlan, plan_rounds, planned_slots, round_quotas, split_proportionally
+
+
+def all_units(plan_rounds_list, world_size):
+    units = []
+    for rnd in plan_rounds_list:
+        for rank in range(world_size):
+            units += rnd.units_of(rank)
+    return units
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_every_unit_used_once_per_epoch(seed):
+    rng = random.Random(seed)
+    world = rng.randint(1, 6)
+    steps = [rng.randint(1, 9) for _ in range(world)]
+    total_units = rng.randint(world, 400)
+    slots = planned_slots(steps, total_units)
+    rounds = plan_rounds(steps, total_units, slots)
+    units = all_units(rounds, world)
+    assert sorted(units) == list(range(total_units))
+    assert sum(r.length for r in rounds) == slots
+    for rnd in rounds:
+        assert all(q <= rnd.length for q in rnd.quotas)
+
+
+def test_full_rounds_follow_local_steps():
+    rounds = plan_rounds([3, 1], 40, planned_slots([3, 1], 40))
+    assert all(r.quotas == (3, 1) for r in rounds)
+    assert len(rounds) == 10
+
+
+def test_first_unit_does_not_depend_on_the_quotas():
+    a = plan_rounds([5, 2, 1], 100, 60)
+    b = plan_rounds([1, 1, 1], 100, 60)
+    assert [a[0].units_of(r)[0] for r in range(3)] == [b[0].units_of(r)[0] for r in range(3)] == [0, 1, 2]
+
+
+def test_replan_keeps_used_units_and_covers_the_rest():
+    plan = EpochPlan(2, 60, 60, [2, 2])
+    boundary = plan.rounds[3].start_slot
+    used = all_units(plan.rounds[:3], 2)
+    plan.replan(boundary, [3, 1])
+    assert plan.version == 1
+    assert all_units(plan.rounds[:3], 2) == used
+    assert sorted(all_units(plan.rounds, 2)) == list(range(60))
+    with pytest.raises(ValueError):
+        plan.replan(boundary + 1, [1, 1])
+
+
+def test_falling_behind_grows_quotas_instead_of_dropping_data():
+    # Sized for (4, 4) but the second rank slowed down to (4, 1): the remaining data still fits.
+    slots = planned_slots([4, 4], 80)
+    rounds = plan_rounds([4, 1], 80, slots)
+    assert sorted(all_units(rounds, 2)) == list(range(80))
+
+
+def test_unit_at_and_noops():
+    plan = EpochPlan(2, 8, planned_slots([3, 1], 8), [3, 1])
+    assert [plan.unit_at(1, s) for s in range(3)] == [1, None, None]
+    assert plan.unit_at(0, 0) == 0
+    with pytest.raises(IndexError):
+        plan.round_at(plan.total_slots)
+
+
+def test_split_proportionally_respects_bounds():
+    q = split_proportionally([3.0, 1.0], 8, caps=[5, 5], floors=[1, 1])
+    assert q == [5, 3]
+    assert split_proportionally([1.0, 1.0, 1.0], 2, caps=[4, 4, 4], floors=[1, 1, 0]) == [1, 1, 0]
+    assert sum(split_proportionally([0.2, 7.0, 1.5], 9, caps=[9, 9, 9], floors=[0, 0, 0])) == 9
+
+
+def test_round_quotas_tail():
+    assert round_quotas([3, 1], 0, 10) == [0, 0]
+    assert round_quotas([3, 1], 1, 10) == [1, 0]
+    assert round_quotas([3, 1], 3, 10) == [2, 1]
+    assert round_quotas([3, 1], 100, 10) == [3, 3]  # behind: both work, nothing left over the epoch's slots

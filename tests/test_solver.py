@@ -1,0 +1,127 @@
+import itertools
+import math
+import random
+
+import pytest
+
+from lightning_oscars.solver import Schedule, schedule_from_local_steps, solve_schedule, solve_schedule_alg1
+
+
+def brute_force(times, cost, max_spread, max_local_steps, tolerance):
+    """Every local-step vector a round of length T can produce, for T on a fine grid plus all breakpoints."""
+    t_min, t_max = min(times), max(times)
+    periods = sorted({k * t for t in times for k in range(1, max_local_steps + 2)})
+    feasible = []
+    for period in periods:
+        steps = tuple(math.floor(period / t + 1e-9) for t in times)
+        if min(steps) < 1 or max(steps) > max_local_steps or max(steps) - min(steps) >= max_spread:
+            continue
+        feasible.append((max(s * t for s, t in zip(steps, times)), steps))
+    best = max((sum(s) / (p + cost) for p, s in feasible), default=None)
+    return best, feasible
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_exact_solver_matches_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 5)
+    times = [rng.uniform(0.01, 0.2) for _ in range(n)]
+    cost = rng.choice([0.0, 0.005, 0.05])
+    spread, cap = rng.randint(2, 10), rng.randint(2, 12)
+    schedule = solve_schedule(times, cost, max_spread=spread, max_local_steps=cap, tolerance=0.0)
+    best, feasible = brute_force(times, cost, spread, cap, 0.0)
+    if not feasible:
+        assert schedule.local_steps == (1,) * n
+        return
+    assert schedule.throughput == pytest.approx(best, rel=1e-9)
+    assert max(schedule.local_steps) <= cap
+    assert max(schedule.local_steps) - min(schedule.local_steps) < spread
+
+
+def test_tolerance_prefers_the_shortest_good_round():
+    times = [0.1, 0.3]
+    tight = solve_schedule(times, 0.0, tolerance=0.0, max_local_steps=12)
+    loose = solve_schedule(times, 0.0, tolerance=0.2, max_local_steps=12)
+    assert loose.period <= tight.period
+    assert loose.throughput >= 0.8 * tight.throughput
+
+
+def test_allreduce_cost_lengthens_rounds():
+    times = [0.01, 0.01]
+    cheap = solve_schedule(times, 0.0)
+    costly = solve_schedule(times, 0.05)
+    assert cheap.local_steps == (1, 1)
+    assert max(costly.local_steps) > 1
+    assert costly.utilization > solve_schedule(times, 0.05, max_local_steps=1).utilization
+
+
+def test_fast_rank_gets_proportionally_more_steps():
+    schedule = solve_schedule([0.1, 0.3])
+    fast, slow = schedule.local_steps
+    assert fast == 3 * slow
+    assert max(schedule.idle_times) == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("times", [[0.1, 0.1], [1e-6, 1e-6], [1e3, 1e3], [1e-6, 1e3]])
+def test_extreme_and_equal_speeds_terminate(times):
+    for solver in (solve_schedule, solve_schedule_alg1):
+        schedule = solver(times)
+        assert all(s >= 1 for s in schedule.local_steps)
+
+
+def test_alg1_minimises_largest_wait_on_its_grid():
+    times = [0.1, 0.25]
+    schedule = solve_schedule_alg1(times, max_spread=8, increment=0.001)
+    # T = 0.5 is a common multiple: no rank waits; the scan finds it (or an equally idle-free period).
+    assert max(schedule.idle_times) == pytest.approx(0.0, abs=1e-6)
+    assert schedule.local_steps[0] > schedule.local_steps[1]
+
+
+def test_alg1_spread_bound():
+    schedule = solve_schedule_alg1([0.1, 0.25], max_spread=3)
+    assert schedule.local_steps[0] - schedule.local_steps[1] < 3
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[], [0.0, 1.0], [-1.0, 1.0], [float("nan"), 1.0], [float("inf"), 1.0]],
+)
+def test_bad_step_times_raise(bad):
+    with pytest.raises(ValueError, match="step_times"):
+        solve_schedule(bad)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_spread": 0}, {"max_local_steps": 0}, {"tolerance": 1.5}])
+def test_bad_bounds_raise(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        solve_schedule([0.1, 0.2], **kwargs)
+
+
+def test_pinned_schedule_and_pricing():
+    schedule = schedule_from_local_steps([4, 2], [0.1, 0.2], 0.05)
+    assert schedule.period == pytest.approx(0.4)
+    assert schedule.utilization == pytest.approx(0.8 / (2 * 0.45))
+    repriced = schedule.evaluated_at([0.1, 0.4])
+    assert repriced.idle_times == pytest.approx((0.4, 0.0))
+    with pytest.raises(ValueError, match="local_steps"):
+        schedule_from_local_steps([2, 0])
+    assert isinstance(schedule, Schedule)
+
+
+def test_solver_is_deterministic():
+    times = [random.Random(1).uniform(0.01, 0.1) for _ in range(64)]
+    assert solve_schedule(times, 0.01) == solve_schedule(list(times), 0.01)
+
+
+def test_large_cluster_is_solved_within_bounds():
+    rng = random.Random(3)
+    times = [rng.uniform(0.05, 0.25) for _ in range(1024)]
+    schedule = solve_schedule(times, 0.02)
+    assert len(schedule.local_steps) == 1024
+    assert max(schedule.local_steps) - min(schedule.local_steps) < 8
+
+
+def test_brute_force_helper_is_not_vacuous():
+    _, feasible = brute_force([0.1, 0.3], 0.0, 8, 16, 0.0)
+    assert any(steps == (3, 1) for _, steps in feasible)
+    assert len(list(itertools.islice(feasible, 3))) == 3

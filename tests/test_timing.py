@@ -1,0 +1,37 @@
+import math
+
+import pytest
+
+from lightning_oscars.timing import StepTimeEstimator, WallClock
+
+
+def test_median_resists_outliers_and_ema_follows_drift():
+    est = StepTimeEstimator(smoothing=0.5)
+    for t in [0.1, 0.1, 5.0, 0.1]:
+        est.add(t)
+    assert est.end_round() == pytest.approx(0.1)
+    for _ in range(3):
+        for t in [0.3, 0.3, 0.3]:
+            est.add(t)
+        value = est.end_round()
+    assert value == pytest.approx(0.3 - 0.2 / 8)
+
+
+def test_bad_samples_are_rejected():
+    est = StepTimeEstimator()
+    for t in [math.nan, math.inf, -1.0, 0.0]:
+        est.add(t)
+    assert est.rejected == 4
+    assert est.end_round() is None
+    with pytest.raises(ValueError, match="smoothing"):
+        StepTimeEstimator(0.0)
+
+
+def test_wall_clock_laps():
+    clock = WallClock()
+    clock.mark()
+    clock.lap()
+    clock.lap()
+    laps = clock.drain()
+    assert len(laps) == 2 and all(t >= 0.0 for t in laps)
+    assert clock.drain() == []
