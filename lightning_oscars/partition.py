@@ -26,9 +26,7 @@ from dataclasses import dataclass
 __all__ = ["EpochPlan", "Round", "plan_rounds", "planned_slots", "round_quotas", "split_proportionally"]
 
 
-def split_proportionally(
-    weights: Sequence[float], total: int, caps: Sequence[int], floors: Sequence[int]
-) -> list[int]:
+def split_proportionally(weights: Sequence[float], total: int, caps: Sequence[int], floors: Sequence[int]) -> list[int]:
     """Integers ``floors[i] <= q[i] <= caps[i]`` summing to ``total`` (clamped to the feasible range),
     distributed as close to proportional to ``weights`` as the bounds allow (water-filling, then largest
     remainders; ties go to the lower rank so every rank computes the same answer)."""

@@ -147,8 +147,7 @@ def solve_schedule_alg1(
     best_period, best_wait = t_max, math.inf
     period = t_max
     while (
-        _steps_in(period, t_min) - _steps_in(period, t_max) < max_spread
-        and _steps_in(period, t_min) <= max_local_steps
+        _steps_in(period, t_min) - _steps_in(period, t_max) < max_spread and _steps_in(period, t_min) <= max_local_steps
     ):
         wait = max(period - _steps_in(period, t) * t for t in times)
         if wait < best_wait - 1e-12:

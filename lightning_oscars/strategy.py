@@ -393,9 +393,7 @@ class OscarsStrategy(DDPStrategy):
         self.num_averagings = int(state.get("num_averagings", 0))
         self._allreduce_cost = float(state.get("allreduce_time") or 0.0)
         if self._adaptive and state.get("local_steps"):
-            self.schedule = Schedule(
-                tuple(state["local_steps"]), tuple(state["step_times"]), self._allreduce_cost
-            )
+            self.schedule = Schedule(tuple(state["local_steps"]), tuple(state["step_times"]), self._allreduce_cost)
             self._known_times = list(state.get("known_times") or [])
             if state.get("estimate"):
                 self._estimator.value = float(state["estimate"])
@@ -700,4 +698,3 @@ def _takes_dataloader_iter(module: LightningModule) -> bool:
     import inspect
 
     return "dataloader_iter" in inspect.signature(module.training_step).parameters
-

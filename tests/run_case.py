@@ -1,0 +1,244 @@
+"""Runs one named 2-rank scenario through Lightning's own launcher and writes what each rank saw as JSON.
+
+Usage: python tests/run_case.py CASE OUT_DIR. Launched by tests/test_multiprocess.py (with a timeout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
+from toy import ToyModule, blobs  # noqa: E402
+
+import lightning_oscars  # noqa: E402,F401
+from lightning_oscars import HeterogeneityEmulator, OscarsStrategy  # noqa: E402
+
+COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list")
+
+
+class CollectiveCounter(Callback):
+    """Counts torch.distributed collectives issued inside training epochs, validation excluded."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.active = False
+        for name in COLLECTIVES:
+            original = getattr(dist, name)
+
+            def counted(*args, _original=original, **kwargs):
+                if self.active:
+                    self.count += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+    def on_train_epoch_start(self, *_):
+        self.active = True
+
+    def on_train_epoch_end(self, *_):
+        self.active = False
+
+    def on_validation_start(self, *_):
+        self.active = False
+
+    def on_validation_end(self, trainer, *_):
+        self.active = trainer.training or trainer.state.stage == "train"
+
+
+class ManualModule(ToyModule):
+    def __init__(self, two: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.two = two
+        if two:
+            self.head = nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
+        out = self(x)
+        if self.two:
+            out = self.head(out)
+        loss = nn.functional.cross_entropy(out, y)
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in opts:
+            opt.step()
+        self.seen += len(y)
+        self.steps_taken += 1
+        self.log("train_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        if not self.two:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+        return [torch.optim.SGD(self.net.parameters(), lr=0.05), torch.optim.SGD(self.head.parameters(), lr=0.05)]
+
+
+class SchedModule(ToyModule):
+    def __init__(self, interval: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.interval = interval
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5 if self.interval == "step" else 1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": self.interval}}
+
+
+class EpochLogModule(ToyModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("epoch_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+
+class IterableBlobs(IterableDataset):
+    def __iter__(self):
+        yield from blobs(64)
+
+
+class IterableModule(ToyModule):
+    def train_dataloader(self):
+        return DataLoader(IterableBlobs(), batch_size=8)
+
+
+def build(case: str, out: Path):
+    """Return (module, trainer kwargs, strategy) for a case."""
+    module = ToyModule(step_cost=0.004)
+    kwargs: dict = dict(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    strategy: object = OscarsStrategy(warmup_steps=2)
+    callbacks: list = [HeterogeneityEmulator({1: 3.0})]
+    if case == "basic":
+        pass
+    elif case == "by_name":
+        strategy = "oscars"
+    elif case == "alg1_samples":
+        strategy = OscarsStrategy(solver="alg1", averaging="samples", average_optimizer_state=True, warmup_steps=2)
+    elif case == "local_sgd":
+        strategy = "local_sgd"
+    elif case == "pinned":
+        strategy = OscarsStrategy(local_steps=[3, 1])
+    elif case == "max_steps":
+        kwargs.update(max_epochs=-1, max_steps=23)
+    elif case == "max_time":
+        kwargs.update(max_epochs=1000, max_time={"seconds": 4})
+    elif case == "val_float":
+        kwargs.update(val_check_interval=0.5)
+    elif case == "val_int":
+        kwargs.update(val_check_interval=7)
+    elif case == "check_val_every_n_epoch":
+        kwargs.update(max_epochs=4, check_val_every_n_epoch=2)
+    elif case == "limit_float":
+        kwargs.update(limit_train_batches=0.5)
+    elif case == "limit_int":
+        kwargs.update(limit_train_batches=9)
+    elif case == "accumulate":
+        kwargs.update(accumulate_grad_batches=2)
+    elif case == "clip":
+        kwargs.update(gradient_clip_val=0.5)
+    elif case == "bf16":
+        kwargs.update(precision="bf16-mixed")
+    elif case == "sched_step":
+        module = SchedModule("step", step_cost=0.004)
+    elif case == "sched_epoch":
+        module = SchedModule("epoch", step_cost=0.004)
+    elif case == "sync_dist_epoch":
+        module = EpochLogModule(step_cost=0.004)
+    elif case == "checkpoint":
+        kwargs.update(enable_checkpointing=True, default_root_dir=str(out))
+        callbacks += [
+            ModelCheckpoint(dirpath=out / "best", monitor="val_loss", save_top_k=2, save_last=True),
+            ModelCheckpoint(dirpath=out / "steps", every_n_train_steps=5, save_top_k=-1),
+        ]
+    elif case == "early_stopping":
+        kwargs.update(max_epochs=30)
+        callbacks += [EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0)]
+    elif case == "loggers":
+        kwargs.update(
+            logger=[CSVLogger(out / "csv"), TensorBoardLogger(out / "tb")],
+            log_every_n_steps=2,
+            enable_progress_bar=True,
+        )
+        callbacks += [LearningRateMonitor(logging_interval="step")]
+    elif case == "manual_one":
+        module = ManualModule(step_cost=0.004)
+    elif case == "manual_two":
+        module = ManualModule(two=True, step_cost=0.004)
+    elif case == "eval_after_fit":
+        pass
+    elif case == "rebalance":
+        module = ToyModule(step_cost=0.01, n=4096)
+        kwargs.update(max_epochs=1)
+        callbacks = [HeterogeneityEmulator({1: [(0.0, 1.0), (0.6, 3.0)]})]
+    elif case == "resume_first":
+        kwargs.update(max_epochs=1, enable_checkpointing=True, default_root_dir=str(out))
+        callbacks += [ModelCheckpoint(dirpath=out / "ckpt", save_last=True)]
+    elif case == "resume_second":
+        kwargs.update(max_epochs=2, enable_checkpointing=True, default_root_dir=str(out))
+    elif case == "iterable":
+        module = IterableModule()
+    else:
+        raise SystemExit(f"unknown case {case}")
+    return module, kwargs, strategy, callbacks
+
+
+def flat_weights(module: torch.nn.Module) -> list[float]:
+    return torch.cat([t.detach().float().reshape(-1) for t in module.state_dict().values()]).tolist()
+
+
+def main() -> None:
+    case, out = sys.argv[1], Path(sys.argv[2])
+    module, kwargs, strategy, callbacks = build(case, out)
+    counter = CollectiveCounter()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, callbacks=[*callbacks, counter], **kwargs)
+    result: dict = {}
+    ckpt = None
+    if case == "resume_second":
+        ckpt = str(out / "ckpt" / "last.ckpt")
+    try:
+        trainer.fit(module, ckpt_path=ckpt)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(error).__name__}: {error}"
+    if case == "eval_after_fit" and "error" not in result:
+        result["validate"] = trainer.validate(module, verbose=False)
+        result["test"] = trainer.test(module, verbose=False)
+        preds = trainer.predict(module)
+        result["predicted"] = sum(len(p) for p in preds)
+    s = trainer.strategy
+    result.update(
+        rank=trainer.global_rank,
+        weights=flat_weights(module),
+        global_step=trainer.global_step,
+        epoch=trainer.current_epoch,
+        steps_taken=module.steps_taken,
+        seen=module.seen,
+        collectives=counter.count,
+        metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
+        lr=[g["lr"] for opt in trainer.optimizers for g in opt.param_groups],
+    )
+    if isinstance(s, OscarsStrategy):
+        result.update(
+            history=s.history,
+            num_averagings=s.num_averagings,
+            schedule=list(s.schedule.local_steps) if s.schedule else None,
+        )
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()

@@ -1,0 +1,217 @@
+"""2-rank runs (gloo on CPU) through Lightning's subprocess launcher, one per scenario.
+
+Every run has a hard timeout: a deadlock fails the test in seconds instead of hanging CI. Rank 1 is emulated
+3x slower in every scenario unless stated otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+HERE = Path(__file__).parent
+TIMEOUT = 150
+
+
+def run_case(case: str, out: Path, timeout: int = TIMEOUT) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "run_case.py"), case, str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        text=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"case {case!r} did not finish within {timeout}s (deadlock?)\n{log[-4000:]}")
+    results = []
+    for rank in (0, 1):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no result (exit code {proc.returncode})\n{log[-4000:]}"
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def finished(case: str, tmp_path: Path) -> list[dict]:
+    results = run_case(case, tmp_path)
+    for r in results:
+        assert "error" not in r, r["error"]
+    assert results[0]["weights"] == results[1]["weights"], "ranks ended with different weights"
+    assert results[0]["global_step"] == results[1]["global_step"]
+    return results
+
+
+def test_basic_balance_coverage_and_one_collective_per_round(tmp_path):
+    fast, slow = finished("basic", tmp_path)
+    # The fast rank trains more: about 3x, as the emulated speeds.
+    assert fast["steps_taken"] >= 2 * slow["steps_taken"]
+    assert fast["schedule"][0] > fast["schedule"][1]
+    # Every sample exactly once per epoch: 2 epochs of 512.
+    assert fast["seen"] + slow["seen"] == 2 * 512
+    # Within training epochs, the only collective is the round's all-reduce.
+    assert fast["collectives"] == slow["collectives"] > 0
+    assert fast["collectives"] <= fast["num_averagings"]
+    assert all(len(h["local_steps"]) == 2 for h in fast["history"])
+
+
+def test_registered_by_name(tmp_path):
+    fast, slow = finished("by_name", tmp_path)
+    assert fast["num_averagings"] > 0 and fast["steps_taken"] > slow["steps_taken"]
+
+
+def test_alg1_sample_weighted_with_optimizer_state(tmp_path):
+    fast, slow = finished("alg1_samples", tmp_path)
+    assert fast["seen"] + slow["seen"] == 1024
+    assert fast["steps_taken"] > slow["steps_taken"]
+
+
+def test_fixed_period_local_sgd_baseline_is_uniform(tmp_path):
+    fast, slow = finished("local_sgd", tmp_path)
+    assert fast["schedule"] == [16, 16]
+    assert abs(fast["steps_taken"] - slow["steps_taken"]) <= 1
+
+
+def test_pinned_local_steps(tmp_path):
+    fast, slow = finished("pinned", tmp_path)
+    assert all(h["local_steps"] == [3, 1] for h in fast["history"])
+    assert fast["seen"] == 3 * slow["seen"]
+
+
+def test_rebalances_after_midrun_slowdown(tmp_path):
+    fast, _ = finished("rebalance", tmp_path)
+    history = fast["history"]
+    before = [h for h in history if h["local_steps"][0] == h["local_steps"][1]]
+    after = [h for h in history if h["local_steps"][0] >= 2 * h["local_steps"][1]]
+    assert before, "ranks should start balanced at equal speeds"
+    assert after, f"no re-balance after rank 1 turned 3x slower: {[h['local_steps'] for h in history]}"
+    # Within a few rounds of the first round that saw the slowdown.
+    slow_seen = next(i for i, h in enumerate(history) if h["step_times"][1] > 2 * h["step_times"][0])
+    first_rebalanced = next(i for i, h in enumerate(history) if h["local_steps"][0] >= 2 * h["local_steps"][1])
+    assert first_rebalanced - slow_seen <= 3
+
+
+@pytest.mark.parametrize("case", ["max_steps"])
+def test_max_steps(case, tmp_path):
+    fast, slow = finished(case, tmp_path)
+    assert fast["global_step"] == 23
+
+
+def test_max_time(tmp_path):
+    fast, slow = finished("max_time", tmp_path)
+    assert fast["epoch"] < 999
+
+
+def test_val_check_interval_float(tmp_path):
+    fast, _ = finished("val_float", tmp_path)
+    assert "val_loss" in fast["metrics"]
+
+
+def test_val_check_interval_int(tmp_path):
+    fast, _ = finished("val_int", tmp_path)
+    assert "val_acc" in fast["metrics"]
+
+
+def test_check_val_every_n_epoch(tmp_path):
+    fast, _ = finished("check_val_every_n_epoch", tmp_path)
+    assert "val_loss" in fast["metrics"]
+
+
+def test_limit_train_batches_float(tmp_path):
+    fast, slow = finished("limit_float", tmp_path)
+    assert fast["seen"] + slow["seen"] < 1024
+
+
+def test_limit_train_batches_int(tmp_path):
+    fast, slow = finished("limit_int", tmp_path)
+    assert fast["global_step"] == 18
+
+
+def test_accumulate_grad_batches(tmp_path):
+    fast, slow = finished("accumulate", tmp_path)
+    assert fast["seen"] + slow["seen"] == 1024
+
+
+def test_gradient_clip_val(tmp_path):
+    finished("clip", tmp_path)
+
+
+def test_bf16_mixed(tmp_path):
+    finished("bf16", tmp_path)
+
+
+def test_step_interval_lr_scheduler(tmp_path):
+    fast, slow = finished("sched_step", tmp_path)
+    assert fast["lr"] == slow["lr"] and fast["lr"][0] < 0.1
+
+
+def test_epoch_interval_lr_scheduler(tmp_path):
+    fast, slow = finished("sched_epoch", tmp_path)
+    assert fast["lr"] == slow["lr"] == [0.025]
+
+
+def test_sync_dist_on_epoch(tmp_path):
+    fast, slow = finished("sync_dist_epoch", tmp_path)
+    assert fast["metrics"]["epoch_loss"] == pytest.approx(slow["metrics"]["epoch_loss"])
+
+
+def test_model_checkpoint(tmp_path):
+    finished("checkpoint", tmp_path)
+    assert (tmp_path / "best" / "last.ckpt").exists()
+    assert len(list((tmp_path / "best").glob("*.ckpt"))) == 3  # top-2 + last
+    assert len(list((tmp_path / "steps").glob("*.ckpt"))) >= 5
+
+
+def test_early_stopping(tmp_path):
+    fast, _ = finished("early_stopping", tmp_path)
+    assert fast["epoch"] < 29
+
+
+def test_loggers_lr_monitor_progress_bar(tmp_path):
+    finished("loggers", tmp_path)
+    metrics = next((tmp_path / "csv").rglob("metrics.csv")).read_text()
+    assert "train_loss_step" in metrics and "lr-SGD" in metrics
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
+def test_manual_optimization_one_optimizer(tmp_path):
+    fast, slow = finished("manual_one", tmp_path)
+    assert fast["steps_taken"] > slow["steps_taken"]
+
+
+def test_manual_optimization_two_optimizers(tmp_path):
+    fast, slow = finished("manual_two", tmp_path)
+    assert fast["steps_taken"] > slow["steps_taken"]
+
+
+def test_validate_test_predict_after_fit(tmp_path):
+    fast, slow = finished("eval_after_fit", tmp_path)
+    assert fast["validate"][0]["val_acc"] == pytest.approx(slow["validate"][0]["val_acc"])
+    assert fast["test"][0]["test_acc"] > 0.3  # 4 classes: chance is 0.25
+    assert fast["predicted"] > 0
+
+
+def test_checkpoint_resume(tmp_path):
+    first = finished("resume_first", tmp_path)
+    second = finished("resume_second", tmp_path)
+    assert second[0]["epoch"] == 2
+    assert second[0]["global_step"] > first[0]["global_step"]
+    # The schedule was restored, not re-profiled: no warm-up round after resuming.
+    assert all(h["local_steps"][0] > h["local_steps"][1] for h in second[0]["history"])
+
+
+def test_iterable_dataset_fails_clearly(tmp_path):
+    results = run_case("iterable", tmp_path)
+    assert all("IterableDataset" in r.get("error", "") for r in results)
