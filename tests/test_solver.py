@@ -8,8 +8,7 @@ from lightning_oscars.solver import Schedule, schedule_from_local_steps, solve_s
 
 
 def brute_force(times, cost, max_spread, max_local_steps, tolerance):
-    """Every local-step vector a round of length T can produce, for T on a fine grid plus all breakpoints."""
-    t_min, t_max = min(times), max(times)
+    """Every local-step vector a round of length T can produce (T at every breakpoint k * t_i)."""
     periods = sorted({k * t for t in times for k in range(1, max_local_steps + 2)})
     feasible = []
     for period in periods:
