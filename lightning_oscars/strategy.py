@@ -505,8 +505,6 @@ class OscarsStrategy(DDPStrategy):
         control[g + _SIGTERM] = float(self._local_sigterm)
 
         averager = self._get_averager()
-        if self.averaging == "samples" and weight == 0.0:
-            weight = 0.0  # an idle rank contributes nothing; the others' samples carry the mean
         summed = averager.all_reduce(weight, control, weight_index=g + _WEIGHT)
         self._last_allreduce = time.perf_counter() - started
         self.num_averagings += 1
