@@ -22,7 +22,10 @@ TIMEOUT = 150
 
 def run_case(case: str, out: Path, timeout: int = TIMEOUT) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    # An in-process Trainer earlier in the session leaves rendezvous variables behind; start each run clean.
+    leaked = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in leaked and not k.startswith("PL_")}
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "run_case.py"), case, str(out)],
         stdout=subprocess.PIPE,
