@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
 from lightning_oscars.heterogeneity import HeterogeneityEmulator, SlowdownProfile  # noqa: E402
 from lightning_oscars.loader import LoadBalancedLoader  # noqa: E402
+from lightning_oscars.monitor import ScheduleMonitor, round_metrics, summarize_history  # noqa: E402
 from lightning_oscars.partition import EpochPlan, plan_rounds, planned_slots, round_quotas  # noqa: E402
 from lightning_oscars.solver import (  # noqa: E402
     Schedule,
@@ -47,13 +48,16 @@ __all__ = [
     "OscarsStrategy",
     "RoundRecord",
     "Schedule",
+    "ScheduleMonitor",
     "SlowdownProfile",
     "plan_rounds",
     "planned_slots",
+    "round_metrics",
     "round_quotas",
     "schedule_from_local_steps",
     "solve_schedule",
     "solve_schedule_alg1",
+    "summarize_history",
 ]
 
 _REGISTERED = {

@@ -67,7 +67,7 @@ class HeterogeneityEmulator(Callback):
         self.slept = 0.0
         self._rng = random.Random(seed)
         self._started = 0.0
-        self._batch_start = 0.0
+        self._batch_start: float | None = None
 
     def factor_for(self, rank: int, elapsed: float) -> float:
         profile = self.profiles.get(rank)
@@ -76,19 +76,21 @@ class HeterogeneityEmulator(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._rng = random.Random(self.seed * 1000 + trainer.global_rank)
         self._started = time.perf_counter()
+        self._batch_start = None
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
         now = time.perf_counter()
+        start, self._batch_start = self._batch_start, None
         factor = self.factor_for(trainer.global_rank, now - self._started)
-        if factor <= 1.0:
+        if factor <= 1.0 or start is None:  # no batch start seen (Lightning skips hooks for a None batch)
             return
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
             now = time.perf_counter()
-        delay = (factor - 1.0) * (now - self._batch_start)
+        delay = (factor - 1.0) * (now - start)
         if self.jitter:
             delay *= 1.0 + self._rng.uniform(-self.jitter, self.jitter)
         if delay > 0.0:

@@ -139,7 +139,9 @@ class _EpochIterator:
     def __init__(self, owner: LoadBalancedLoader) -> None:
         self.owner = owner
         self._order: list[int] | None = None
-        self.position = owner.start_position  # index of the next Lightning batch in the epoch
+        # Index of the next Lightning batch in the epoch. Read at the first batch, not here: when resuming
+        # mid-epoch Lightning creates the iterator before the strategy learns the restored position.
+        self.position = -1
         self.last_batch: Any = None
         self._inner: Iterator[Any] | None = None
         self._inner_version = -1
@@ -187,11 +189,18 @@ class _EpochIterator:
 
     def __next__(self) -> Any:
         owner = self.owner
+        if self.position < 0:
+            self.position, owner.start_position = owner.start_position, 0
         if self.position >= len(owner):
             raise StopIteration
         batch = self._batch_at(self.position)
         if batch is None:
             info = SlotInfo(False, 0)
+            if self.last_batch is None:
+                # Only when resuming into a no-op slot: Lightning skips a None batch entirely (no step, no
+                # counters), so show the hooks a real batch of this rank's data, fetched once and not trained on.
+                indices = self._indices(owner.rank)
+                self.last_batch = next(iter(DataLoader(owner.dataset, batch_sampler=[indices], **owner._loader_kwargs)))
             item = self.last_batch
         else:
             indices = self._indices(batch)

@@ -87,7 +87,10 @@ def round_quotas(local_steps: Sequence[int], remaining_units: int, remaining_slo
     caps = [length] * n
     quotas = [max(f, min(t, length)) for t, f in zip(local_steps, floors)]
     rounds_left = -(-remaining_slots // length)
-    needed = min(remaining_units, -(-remaining_units // rounds_left))
+    # Spread the backlog over the rounds left, but take now whatever the later slots cannot hold (at most one
+    # unit per rank and slot): the rounds left may be fewer or shorter than full ones at ``local_steps``.
+    backlog = remaining_units - n * (remaining_slots - length)
+    needed = min(remaining_units, max(-(-remaining_units // rounds_left), backlog))
     if sum(quotas) > remaining_units or sum(quotas) < needed:
         target = remaining_units if sum(quotas) > remaining_units else needed
         quotas = split_proportionally([float(t) for t in local_steps], target, caps, floors)
@@ -179,12 +182,19 @@ class EpochPlan:
         offset = slot - rnd.start_slot
         return units[offset] if offset < len(units) else None
 
-    def replan(self, start_slot: int, local_steps: Sequence[int]) -> None:
-        """Re-plan every round from ``start_slot`` (which must start a round) with new local steps."""
+    def replan(self, start_slot: int, local_steps: Sequence[int], shrink: bool = False) -> None:
+        """Re-plan every round from ``start_slot`` (which must start a round) with new local steps.
+
+        With ``shrink``, an epoch sized as an upper bound (speeds unknown) is cut to the slots the new local
+        steps need for the units left; otherwise ``total_slots`` is kept and spare slots become no-ops.
+        """
         index = bisect.bisect_left(self._starts, start_slot)
         if index == len(self._starts) or self._starts[index] != start_slot:
             raise ValueError(f"slot {start_slot} does not start a round")
         first_unit = self._rounds[index].first_unit
+        if shrink:
+            needed = start_slot + planned_slots(local_steps, self.total_units - first_unit)
+            self.total_slots = max(start_slot, min(self.total_slots, needed))
         self._rounds[index:] = plan_rounds(local_steps, self.total_units, self.total_slots, start_slot, first_unit)
         self._starts = [r.start_slot for r in self._rounds]
         self.version += 1

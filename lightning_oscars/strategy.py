@@ -40,10 +40,12 @@ from torch.utils.data import DataLoader
 
 from lightning_oscars.averaging import FlatAverager, averaged_tensors
 from lightning_oscars.loader import LoadBalancedLoader, SlotInfo
+from lightning_oscars.monitor import ScheduleMonitor
 from lightning_oscars.partition import EpochPlan, Round, planned_slots
 from lightning_oscars.solver import (
     Schedule,
     schedule_from_local_steps,
+    snap_step_times,
     solve_schedule,
     solve_schedule_alg1,
     validate_step_times,
@@ -62,6 +64,8 @@ _STEP_TIME, _SAMPLES, _COMPUTE, _ALLREDUCE, _GLOBAL_STEP = range(5)
 _PER_RANK = 5
 _WEIGHT, _STOP, _SIGTERM = range(3)
 _GLOBAL = 3
+# Ranks whose measured step times differ by less than this are treated as equally fast (noise, not speed).
+_SNAP_TOLERANCE = 0.05
 
 
 class RoundRecord(dict):
@@ -91,6 +95,8 @@ class OscarsStrategy(DDPStrategy):
         step_times: pin every rank's seconds per step (no profiling, one solve, reproducible).
         local_steps: pin every rank's local steps per round (no profiling, no solving).
         seed: seed of the per-epoch shuffle of the training data.
+        monitor: add a :class:`~lightning_oscars.ScheduleMonitor` (per-round metrics to the loggers, ``tau`` in
+            the progress bar, a summary at the end of fit) unless the trainer already has one.
         timeout: collective timeout; a dead rank is reported after at most this long.
 
     Remaining arguments are those of :class:`~lightning.pytorch.strategies.DDPStrategy`.
@@ -113,6 +119,7 @@ class OscarsStrategy(DDPStrategy):
         step_times: Sequence[float] | None = None,
         local_steps: Sequence[int] | None = None,
         seed: int = 0,
+        monitor: bool = True,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
@@ -159,6 +166,7 @@ class OscarsStrategy(DDPStrategy):
         self.min_gain = float(min_gain)
         self.smoothing = float(smoothing)
         self.seed = int(seed)
+        self.monitor = bool(monitor)
 
         self.schedule: Schedule | None = None
         self.history: list[RoundRecord] = []
@@ -174,6 +182,8 @@ class OscarsStrategy(DDPStrategy):
         self._loader: LoadBalancedLoader | None = None
         self._plan: EpochPlan | None = None
         self._plan_epoch = -1
+        self._plan_is_upper_bound = False
+        self._replan_pending = False
         self._slot = SlotInfo(True, 0)
         self._in_local_step = False
         self._slots_since_average = 0
@@ -218,11 +228,11 @@ class OscarsStrategy(DDPStrategy):
         return self.pinned_local_steps is None and self.pinned_step_times is None and self.solver != "uniform"
 
     def _solve(self, step_times: Sequence[float], allreduce_time: float) -> Schedule:
-        if self.solver == "alg1":
+        if self.solver == "alg1":  # the paper's algorithm, as published: raw times
             solved = solve_schedule_alg1(step_times, self.max_spread, max_local_steps=self.max_local_steps)
             return Schedule(solved.local_steps, solved.step_times, allreduce_time)
         return solve_schedule(
-            step_times,
+            snap_step_times(step_times, _SNAP_TOLERANCE),
             allreduce_time,
             max_spread=self.max_spread,
             max_local_steps=self.max_local_steps,
@@ -269,6 +279,8 @@ class OscarsStrategy(DDPStrategy):
                 (i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), len(trainer.callbacks)
             )
             trainer.callbacks.insert(position, _RoundCallback(self))
+            if self.monitor and not any(isinstance(cb, ScheduleMonitor) for cb in trainer.callbacks):
+                trainer.callbacks.insert(position + 1, ScheduleMonitor())
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -429,13 +441,11 @@ class OscarsStrategy(DDPStrategy):
                 total_slots = planned_slots(steps, loader.total_units)
             self._plan = EpochPlan(self.world_size, loader.total_units, total_slots, steps)
             self._plan_epoch = epoch
+            self._plan_is_upper_bound = self.schedule is None
         loader.set_plan(self._plan)
         loader.start_position = resume_at
-        batches = self._plan.total_slots * trainer.accumulate_grad_batches
-        num = _parse_num_batches(RunningStage.TRAINING, batches, trainer.limit_train_batches)
-        trainer.fit_loop.max_batches = int(num)
-        if isinstance(trainer.val_check_interval, float):
-            trainer.val_check_batch = max(1, int(trainer.num_training_batches * trainer.val_check_interval))
+        self._replan_pending = False
+        self._size_epoch(trainer)
         self._slots_since_average = 0
         self._round_samples = 0
         self._round_compute = 0.0
@@ -443,6 +453,22 @@ class OscarsStrategy(DDPStrategy):
             self._clock.drain()
             self._clock.mark()
         self._slot_laps = []
+
+    def _size_epoch(self, trainer: Trainer) -> None:
+        """Tell Lightning how many batches this epoch has: the plan's slots (times accumulation), limited."""
+        assert self._plan is not None
+        batches = self._plan.total_slots * trainer.accumulate_grad_batches
+        trainer.fit_loop.max_batches = int(
+            _parse_num_batches(RunningStage.TRAINING, batches, trainer.limit_train_batches)
+        )
+        if isinstance(trainer.val_check_interval, float):
+            trainer.val_check_batch = max(1, int(trainer.num_training_batches * trainer.val_check_interval))
+        try:
+            bar = trainer.progress_bar_callback.train_progress_bar  # type: ignore[union-attr]
+        except (AttributeError, TypeError):  # no bar, not tqdm, or not created yet
+            bar = None
+        if bar is not None and getattr(bar, "total", None) is not None:
+            bar.total = trainer.num_training_batches  # tqdm: the epoch got shorter once speeds were known
 
     def end_batch(self, trainer: Trainer, batch_idx: int) -> None:
         plan = self._plan
@@ -546,8 +572,17 @@ class OscarsStrategy(DDPStrategy):
         record["utilization"] = sum(record["compute_times"]) / (n * wall) if wall > 0 else 0.0
         self.history.append(record)
 
-        if rebalanced and next_round is not None and self._plan is not None and next_round < self._plan.total_slots:
-            self._plan.replan(next_round, self._current_local_steps())
+        # A schedule adopted at an extra averaging (before validation or a checkpoint) waits for the next
+        # round boundary to re-plan the data.
+        self._replan_pending = self._replan_pending or rebalanced
+        plan = self._plan
+        if self._replan_pending and next_round is not None and plan is not None and next_round < plan.total_slots:
+            # The first epoch was sized as an upper bound while speeds were unknown: cut it to what is needed.
+            plan.replan(next_round, self._current_local_steps(), shrink=self._plan_is_upper_bound)
+            self._replan_pending = False
+            if self._plan_is_upper_bound:
+                self._plan_is_upper_bound = False
+                self._size_epoch(trainer)
         if summed[g + _STOP] > 0.0:
             trainer.should_stop = True
         self._pending_stop = False
@@ -577,6 +612,10 @@ class OscarsStrategy(DDPStrategy):
             return True
         reference = self.schedule.step_times
         drift = max(abs(new - old) / old for new, old in zip(times, reference))
+        # The all-reduce cost is first known after the first averaging (the first solve assumed it free):
+        # a cost that moved by a large share of the round also warrants a re-solve.
+        old_cost = self.schedule.allreduce_time
+        drift = max(drift, abs(self._allreduce_cost - old_cost) / (self.schedule.period + old_cost))
         if drift <= self.rebalance_threshold:
             return False
         current = self.schedule.evaluated_at(times, self._allreduce_cost)

@@ -4,8 +4,10 @@ Usage: python tests/run_case.py CASE OUT_DIR. Launched by tests/test_multiproces
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -16,7 +18,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
-from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import (  # noqa: E402
+    Callback,
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    OnExceptionCheckpoint,
+)
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
@@ -55,6 +63,28 @@ class CollectiveCounter(Callback):
 
     def on_validation_end(self, trainer, *_):
         self.active = trainer.training or trainer.state.stage == "train"
+
+
+class SeenAtStep(Callback):
+    """Records the samples this rank has trained on after every global step."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.seen[trainer.global_step] = pl_module.seen
+
+
+class SendSignal(Callback):
+    """Sends SIGTERM to this process at a given global step, on one rank (a preemption notice)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step, self.sent_at = rank, step, None
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step and self.sent_at is None:
+            self.sent_at = trainer.global_step
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class ManualModule(ToyModule):
@@ -191,6 +221,26 @@ def build(case: str, out: Path):
         kwargs.update(max_epochs=2, enable_checkpointing=True, default_root_dir=str(out))
     elif case == "iterable":
         module = IterableModule()
+    elif case in ("sigterm_rank0", "sigterm_rank1"):
+        kwargs.update(max_epochs=5, default_root_dir=str(out), enable_checkpointing=True)
+        callbacks += [SendSignal(int(case[-1]), step=7), OnExceptionCheckpoint(dirpath=str(out / "preempt"))]
+    elif case == "midepoch_first":
+        strategy = OscarsStrategy(local_steps=[3, 1])
+        kwargs.update(enable_checkpointing=True, default_root_dir=str(out))
+        callbacks += [ModelCheckpoint(dirpath=out / "steps", every_n_train_steps=5, save_top_k=-1)]
+    elif case == "midepoch_second":
+        strategy = OscarsStrategy(local_steps=[3, 1])
+        kwargs.update(default_root_dir=str(out))
+    elif case == "resume_swapped":  # resume_first's checkpoint, but now rank 0 is the slow one
+        kwargs.update(max_epochs=3, default_root_dir=str(out))
+        callbacks = [HeterogeneityEmulator({0: 3.0})]
+    elif case == "resume_from_env":  # a checkpoint written by another world size
+        kwargs.update(max_epochs=3, default_root_dir=str(out))
+    elif case == "warmup_too_long":
+        strategy = OscarsStrategy(warmup_steps=8)
+        kwargs.update(max_epochs=-1, max_steps=5)
+    elif case == "tiny_dataset":
+        module = ToyModule(n=16, batch_size=16)
     else:
         raise SystemExit(f"unknown case {case}")
     return module, kwargs, strategy, callbacks
@@ -202,16 +252,26 @@ def flat_weights(module: torch.nn.Module) -> list[float]:
 
 def main() -> None:
     case, out = sys.argv[1], Path(sys.argv[2])
+    dump_after = float(os.environ.get("OSCARS_TEST_DUMP_AFTER", "0"))
+    if dump_after > 0:  # a hang prints every rank's stack (to the test's log) and exits instead of waiting
+        faulthandler.dump_traceback_later(dump_after, exit=True)
     module, kwargs, strategy, callbacks = build(case, out)
     counter = CollectiveCounter()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, callbacks=[*callbacks, counter], **kwargs)
+    seen_at = SeenAtStep()
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, callbacks=[*callbacks, counter, seen_at], **kwargs
+    )
     result: dict = {}
     ckpt = None
-    if case == "resume_second":
+    if case in ("resume_second", "resume_swapped"):
         ckpt = str(out / "ckpt" / "last.ckpt")
+    elif case == "midepoch_second":
+        ckpt = str(out / "steps" / "epoch=0-step=5.ckpt")
+    elif case == "resume_from_env":
+        ckpt = os.environ["OSCARS_TEST_CKPT"]
     try:
         trainer.fit(module, ckpt_path=ckpt)
-    except Exception as error:  # noqa: BLE001 - reported to the test
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - reported to the test (SIGTERMException is a SystemExit)
         result["error"] = f"{type(error).__name__}: {error}"
     if case == "eval_after_fit" and "error" not in result:
         result["validate"] = trainer.validate(module, verbose=False)
@@ -229,6 +289,7 @@ def main() -> None:
         collectives=counter.count,
         metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
         lr=[g["lr"] for opt in trainer.optimizers for g in opt.param_groups],
+        seen_at=seen_at.seen,
     )
     if isinstance(s, OscarsStrategy):
         result.update(

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,12 +21,13 @@ HERE = Path(__file__).parent
 TIMEOUT = 150
 
 
-def run_case(case: str, out: Path, timeout: int = TIMEOUT) -> list[dict]:
+def run_case(case: str, out: Path, timeout: int = TIMEOUT, extra_env: dict | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     # An in-process Trainer earlier in the session leaves rendezvous variables behind; start each run clean.
     leaked = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in leaked and not k.startswith("PL_")}
-    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", OSCARS_TEST_DUMP_AFTER=str(timeout - 20))
+    env.update(extra_env or {})
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "run_case.py"), case, str(out)],
         stdout=subprocess.PIPE,
@@ -183,10 +185,25 @@ def test_early_stopping(tmp_path):
 
 
 def test_loggers_lr_monitor_progress_bar(tmp_path):
-    finished("loggers", tmp_path)
+    fast, _ = finished("loggers", tmp_path)
     metrics = next((tmp_path / "csv").rglob("metrics.csv")).read_text()
     assert "train_loss_step" in metrics and "lr-SGD" in metrics
     assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    # The schedule monitor logged every round through the same loggers, one row per round.
+    header, *rows = metrics.splitlines()
+    columns = header.split(",")
+    for name in (
+        "oscars/tau/rank0",
+        "oscars/tau/rank1",
+        "oscars/period_s",
+        "oscars/allreduce_s",
+        "oscars/idle_s/rank1",
+    ):
+        assert name in columns, name
+    tau1 = columns.index("oscars/tau/rank1")
+    logged = [row.split(",") for row in rows if row.split(",")[tau1]]
+    assert len(logged) == len(fast["history"])
+    assert [int(float(r[tau1])) for r in logged] == [h["local_steps"][1] for h in fast["history"]]
 
 
 def test_manual_optimization_one_optimizer(tmp_path):
@@ -218,3 +235,92 @@ def test_checkpoint_resume(tmp_path):
 def test_iterable_dataset_fails_clearly(tmp_path):
     results = run_case("iterable", tmp_path)
     assert all("IterableDataset" in r.get("error", "") for r in results)
+
+
+@pytest.mark.parametrize("receiver", [0, 1])
+def test_sigterm_stops_all_ranks_at_a_round_boundary(receiver, tmp_path):
+    results = run_case(f"sigterm_rank{receiver}", tmp_path)
+    for r in results:
+        assert "SIGTERMException" in r.get("error", ""), r.get("error")
+    fast, slow = results
+    # Both ranks stopped at the same batch, soon after the signal (within a round), with averaged weights.
+    assert fast["global_step"] == slow["global_step"]
+    assert 7 <= fast["global_step"] <= 7 + max(fast["history"][-1]["local_steps"])
+    assert fast["weights"] == slow["weights"]
+    assert fast["epoch"] < 4
+    # OnExceptionCheckpoint wrote the preemption checkpoint, with the schedule in it.
+    import torch
+
+    checkpoint = torch.load(tmp_path / "preempt" / "on_exception.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == fast["global_step"]
+    assert checkpoint["oscars"]["local_steps"] == fast["schedule"]
+
+
+def test_resume_mid_epoch_uses_every_sample_once(tmp_path):
+    first = finished("midepoch_first", tmp_path)
+    assert (tmp_path / "steps" / "epoch=0-step=5.ckpt").exists()
+    second = finished("midepoch_second", tmp_path)
+    assert second[0]["global_step"] == first[0]["global_step"]
+    assert second[0]["epoch"] == first[0]["epoch"] == 2
+    before = sum(r["seen_at"]["5"] for r in first)
+    after = sum(r["seen"] for r in second)
+    assert before > 0
+    # The resumed run trains on exactly the rest of epoch 0 and all of epoch 1: nothing lost, nothing repeated.
+    assert before + after == 2 * 512
+
+
+def test_resume_with_a_different_heterogeneity_rebalances(tmp_path):
+    finished("resume_first", tmp_path)
+    fast, slow = finished("resume_swapped", tmp_path)
+    assert fast["epoch"] == 3
+    # The restored schedule favoured rank 0; now rank 0 is the slow one and the schedule follows.
+    assert fast["history"][0]["local_steps"][0] > fast["history"][0]["local_steps"][1]
+    assert fast["schedule"][1] > fast["schedule"][0]
+    assert slow["seen"] > fast["seen"] / 2
+
+
+def test_resume_two_ranks_on_one_and_one_on_two(tmp_path):
+    import lightning as L
+    from toy import ToyModule
+
+    import lightning_oscars  # noqa: F401 - registers "oscars"
+
+    finished("resume_first", tmp_path)
+    two_rank_ckpt = tmp_path / "ckpt" / "last.ckpt"
+    # 2 -> 1: the checkpoint's schedule is for 2 ranks; on one device training just continues.
+    module = ToyModule()
+    trainer = L.Trainer(
+        strategy="oscars",
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path / "one",
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "one", save_last=True)],
+    )
+    trainer.fit(module, ckpt_path=two_rank_ckpt)
+    assert trainer.current_epoch == 2 and module.seen == 512
+    # 1 -> 2: a single-device checkpoint resumed on 2 ranks profiles from scratch and balances.
+    results = run_case(
+        "resume_from_env", tmp_path / "two", extra_env={"OSCARS_TEST_CKPT": str(tmp_path / "one" / "last.ckpt")}
+    )
+    fast, slow = results
+    assert "error" not in fast, fast["error"]
+    assert fast["weights"] == slow["weights"] and fast["epoch"] == 3
+    assert fast["history"][0]["local_steps"] == [2, 2]  # warm-up round: fresh profiling
+    assert fast["schedule"][0] > fast["schedule"][1]
+    assert fast["seen"] + slow["seen"] == 512
+
+
+def test_warmup_longer_than_max_steps_fails_at_setup(tmp_path):
+    results = run_case("warmup_too_long", tmp_path)
+    for r in results:
+        assert "warmup_steps=8" in r.get("error", "") and "max_steps=5" in r["error"]
+        assert r["global_step"] == 0
+
+
+def test_dataset_smaller_than_one_step_per_rank_fails_clearly(tmp_path):
+    results = run_case("tiny_dataset", tmp_path)
+    for r in results:
+        assert "fewer than one optimizer step for each of the 2 ranks" in r.get("error", ""), r.get("error")

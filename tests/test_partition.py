@@ -79,3 +79,19 @@ def test_round_quotas_tail():
     assert round_quotas([3, 1], 1, 10) == [1, 0]
     assert round_quotas([3, 1], 3, 10) == [2, 1]
     assert round_quotas([3, 1], 100, 10) == [3, 3]  # behind: both work, nothing left over the epoch's slots
+
+
+def test_replan_with_shrink_cuts_an_upper_bound_epoch_and_keeps_every_unit():
+    plan = EpochPlan(2, 100, 100, (4, 4))  # sized as an upper bound: one unit per slot
+    plan.replan(4, (3, 1), shrink=True)
+    assert plan.total_slots == 4 + planned_slots((3, 1), 92)
+    units = sorted(u for r in plan.rounds for rank in range(2) for u in r.units_of(rank))
+    assert units == list(range(100))
+    # Without shrink the spare slots stay as no-ops.
+    kept = EpochPlan(2, 100, 100, (4, 4))
+    kept.replan(4, (3, 1))
+    assert kept.total_slots == 100 and kept.units_used() == 100
+    # Nothing left after the first round: the epoch ends at the boundary.
+    done = EpochPlan(2, 8, 8, (4, 4))
+    done.replan(4, (3, 1), shrink=True)
+    assert done.total_slots == 4 and done.units_used() == 8

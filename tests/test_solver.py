@@ -124,3 +124,34 @@ def test_brute_force_helper_is_not_vacuous():
     _, feasible = brute_force([0.1, 0.3], 0.0, 8, 16, 0.0)
     assert any(steps == (3, 1) for _, steps in feasible)
     assert len(list(itertools.islice(feasible, 3))) == 3
+
+
+def test_snap_gives_equally_fast_ranks_one_time_and_keeps_distinct_speeds_apart():
+    from lightning_oscars.solver import snap_step_times
+
+    times = [0.100, 0.103, 0.30, 0.101, 0.31, 0.5]
+    assert snap_step_times(times, 0.05) == (0.103, 0.103, 0.31, 0.103, 0.31, 0.5)
+    assert snap_step_times(times, 0.0) == tuple(times)
+    # Grouping starts at the fastest member: a chain of small steps does not merge far-apart ranks.
+    chain = [1.0, 1.04, 1.08, 1.12]
+    assert snap_step_times(chain, 0.05) == (1.04, 1.04, 1.12, 1.12)
+    with pytest.raises(ValueError, match="tolerance"):
+        snap_step_times(times, 1.5)
+
+
+def test_snapping_stops_noise_from_splitting_identical_ranks():
+    from lightning_oscars.solver import snap_step_times
+
+    noisy = [0.0982, 0.1008, 0.1019, 0.1004, 0.2489, 0.2467]  # two speed classes measured with noise
+    raw = solve_schedule(noisy, 0.02).local_steps
+    snapped = solve_schedule(snap_step_times(noisy), 0.02).local_steps
+    assert len(set(snapped[:4])) == 1 and len(set(snapped[4:])) == 1
+    assert snapped[0] > snapped[4]
+    assert raw != snapped  # the raw times would have split a class
+
+
+def test_step_times_outside_the_plausible_range_are_rejected():
+    with pytest.raises(ValueError, match=r"step_times\[1\]"):
+        solve_schedule([0.1, 1e308])
+    with pytest.raises(ValueError, match=r"step_times\[0\]"):
+        solve_schedule_alg1([5e-324, 0.1])

@@ -1,0 +1,148 @@
+"""Making the schedule visible: per-round metrics to the user's loggers, the local tau in the progress bar, and a
+text summary at the end of ``fit``.
+
+Everything here reads :attr:`OscarsStrategy.history`, whose records every rank already agreed on in the round's
+all-reduce: the monitor adds no collective of its own.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+__all__ = ["ScheduleMonitor", "round_metrics", "summarize_history"]
+
+# Beyond this many ranks, per-rank series are summarised as min / median / max to keep loggers usable.
+_PER_RANK_LIMIT = 32
+
+
+def round_metrics(record: dict[str, Any], per_rank: bool, prefix: str = "oscars/") -> dict[str, float]:
+    """Flatten one round record into logger metrics (pure; unit-tested)."""
+    metrics = {
+        f"{prefix}round": float(record["round"]),
+        f"{prefix}period_s": float(record["period"]),
+        f"{prefix}allreduce_s": float(record["allreduce_time"]),
+        f"{prefix}utilization": float(record["utilization"]),
+        f"{prefix}rebalanced": float(bool(record["rebalanced"])),
+    }
+    wall = record["period"] + record["allreduce_time"]
+    series = {
+        "tau": record["local_steps"],
+        "step_time_s": record["step_times"],
+        "idle_s": record["idle_times"],
+        "utilization": [c / wall if wall > 0 else 0.0 for c in record["compute_times"]],
+    }
+    for name, values in series.items():
+        if per_rank:
+            for rank, value in enumerate(values):
+                metrics[f"{prefix}{name}/rank{rank}"] = float(value)
+        else:
+            metrics[f"{prefix}{name}/min"] = float(min(values))
+            metrics[f"{prefix}{name}/median"] = float(statistics.median(values))
+            metrics[f"{prefix}{name}/max"] = float(max(values))
+    return metrics
+
+
+def summarize_history(history: Sequence[dict[str, Any]]) -> str:
+    """A few lines describing what the scheduler did over a run (pure; unit-tested)."""
+    if not history:
+        return "oscars: no averaging round ran"
+    n = len(history[0]["local_steps"])
+    compute = [sum(r["compute_times"][i] for r in history) for i in range(n)]
+    idle = [sum(r["idle_times"][i] for r in history) for i in range(n)]
+    allreduce = sum(r["allreduce_time"] for r in history)
+    wall = sum(r["period"] + r["allreduce_time"] for r in history)
+    utilization = sum(compute) / (n * wall) if wall > 0 else 0.0
+    rebalances = sum(1 for r in history if r["rebalanced"])
+    last = history[-1]
+    lines = [
+        f"oscars: {len(history)} rounds, {rebalances} schedule changes, cluster utilisation {utilization:.1%}",
+        f"  final tau per rank: {_short(last['local_steps'])}",
+        f"  final step time per rank (ms): {_short([round(1e3 * t, 2) for t in last['step_times']])}",
+        f"  idle per rank (s, total): {_short([round(t, 2) for t in idle])}",
+        f"  averaging all-reduce: {allreduce:.2f} s total, {1e3 * allreduce / len(history):.2f} ms per round",
+    ]
+    return "\n".join(lines)
+
+
+def _short(values: Sequence[Any], limit: int = 16) -> str:
+    if len(values) <= limit:
+        return str(list(values))
+    return f"{list(values[: limit // 2])} ... {list(values[-limit // 2 :])} ({len(values)} ranks)"
+
+
+class ScheduleMonitor(Callback):
+    """Logs what oscars' scheduler does, through whatever Lightning loggers the trainer has.
+
+    ``OscarsStrategy`` adds one automatically (``monitor=True``); add your own to change its settings.
+
+    Per round (every ``log_every_n_rounds`` rounds), under the ``oscars/`` prefix: ``period_s`` (``T*`` as
+    measured: the busiest rank's compute time), ``allreduce_s``, ``utilization`` (cluster), ``rebalanced``, and
+    per rank ``tau``, ``step_time_s``, ``idle_s`` and ``utilization`` (as ``.../rank{i}``; summarised as
+    ``min``/``median``/``max`` beyond 32 ranks unless ``per_rank`` says otherwise). The progress bar shows
+    the local rank's ``tau`` and the last round's cluster utilisation (``util``). At the end of ``fit`` rank 0
+    prints a short summary.
+
+    Args:
+        log_every_n_rounds: log one round in this many (all rounds by default).
+        per_rank: log every rank's series; ``None`` means "if there are at most 32 ranks".
+        prog_bar: show ``tau`` and ``util`` in the progress bar.
+        summary: print the end-of-fit summary.
+    """
+
+    def __init__(
+        self, log_every_n_rounds: int = 1, per_rank: bool | None = None, prog_bar: bool = True, summary: bool = True
+    ) -> None:
+        if isinstance(log_every_n_rounds, bool) or not isinstance(log_every_n_rounds, int) or log_every_n_rounds < 1:
+            raise ValueError(f"log_every_n_rounds must be an integer >= 1, got {log_every_n_rounds!r}")
+        self.log_every_n_rounds = log_every_n_rounds
+        self.per_rank = per_rank
+        self.prog_bar = prog_bar
+        self.summary = summary
+        self._logged = 0  # history records already handled
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._logged = len(_history(trainer))
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
+        self._flush(trainer)
+        history = _history(trainer)
+        if self.prog_bar and history and trainer.world_size > 1:
+            last = history[-1]
+            strategy: Any = trainer.strategy
+            tau = strategy._current_local_steps()[trainer.global_rank]
+            # logger=False and no sync: a local value shown locally, never a collective.
+            pl_module.log("tau", float(tau), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            pl_module.log("util", float(last["utilization"]), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush(trainer)
+        history = _history(trainer)
+        if self.summary and trainer.world_size > 1 and history:
+            rank_zero_info(summarize_history(history))
+
+    def _flush(self, trainer: Trainer) -> None:
+        history = _history(trainer)
+        if len(history) <= self._logged:
+            return
+        new, self._logged = history[self._logged :], len(history)
+        if not trainer.loggers:
+            return
+        per_rank = self.per_rank if self.per_rank is not None else trainer.world_size <= _PER_RANK_LIMIT
+        for record in new:
+            if record["round"] % self.log_every_n_rounds:
+                continue
+            metrics = round_metrics(record, per_rank)
+            for logger in trainer.loggers:  # loggers write on global rank 0 only
+                logger.log_metrics(metrics, step=int(record["global_step"]))
+
+
+def _history(trainer: Trainer) -> Sequence[dict[str, Any]]:
+    return getattr(trainer.strategy, "history", ())

@@ -1,0 +1,55 @@
+"""The schedule monitor's pure parts: metric flattening and the end-of-fit summary."""
+
+import pytest
+
+from lightning_oscars import ScheduleMonitor, round_metrics, summarize_history
+
+
+def record(round_: int, local_steps, step_times, compute, allreduce=0.01, rebalanced=False):
+    period = max(compute)
+    return {
+        "round": round_,
+        "epoch": 0,
+        "global_step": 3 * round_,
+        "local_steps": local_steps,
+        "step_times": step_times,
+        "samples": [16 * t for t in local_steps],
+        "compute_times": compute,
+        "idle_times": [period - c for c in compute],
+        "period": period,
+        "allreduce_time": allreduce,
+        "utilization": sum(compute) / (len(compute) * (period + allreduce)),
+        "rebalanced": rebalanced,
+    }
+
+
+def test_round_metrics_per_rank_and_summarised():
+    r = record(2, [3, 1], [0.1, 0.29], [0.3, 0.29], rebalanced=True)
+    per_rank = round_metrics(r, per_rank=True)
+    assert per_rank["oscars/tau/rank0"] == 3 and per_rank["oscars/tau/rank1"] == 1
+    assert per_rank["oscars/idle_s/rank1"] == pytest.approx(0.01)
+    assert per_rank["oscars/utilization/rank0"] == pytest.approx(0.3 / 0.31)
+    assert per_rank["oscars/period_s"] == 0.3 and per_rank["oscars/rebalanced"] == 1.0
+    summary = round_metrics(r, per_rank=False)
+    assert not any("rank" in k for k in summary)
+    assert summary["oscars/tau/max"] == 3 and summary["oscars/tau/min"] == 1 and summary["oscars/tau/median"] == 2
+
+
+def test_summary_totals_idle_and_counts_changes():
+    history = [
+        record(1, [4, 4], [0.1, 0.3], [0.4, 1.2], rebalanced=True),
+        record(2, [3, 1], [0.1, 0.3], [0.3, 0.3]),
+        record(3, [3, 1], [0.1, 0.3], [0.3, 0.31]),
+    ]
+    text = summarize_history(history)
+    assert "3 rounds, 1 schedule changes" in text
+    assert "final tau per rank: [3, 1]" in text
+    assert "idle per rank (s, total): [0.81, 0.0]" in text
+    assert summarize_history([]) == "oscars: no averaging round ran"
+    many = [record(1, list(range(1, 41)), [0.1] * 40, [0.1] * 40)]
+    assert "(40 ranks)" in summarize_history(many)
+
+
+def test_monitor_rejects_bad_interval():
+    with pytest.raises(ValueError, match="log_every_n_rounds"):
+        ScheduleMonitor(log_every_n_rounds=0)
