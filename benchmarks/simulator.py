@@ -2,10 +2,9 @@
 
     python -m benchmarks.simulator --out benchmarks/results
     python -m benchmarks.simulator --validate benchmarks/results/heterogeneous.json --out benchmarks/results
-    python -m benchmarks.simulator --validate benchmarks/results/heterogeneous.json \\
-        --step-times 0.00335,0.01005 --allreduce-s 0.0038 --ddp-overhead-s 0.0086
+    python -m benchmarks.simulator --validate benchmarks/results/heterogeneous.json --noop-s 0.001 --no-study
 
-Writes ``simulator.json``, ``simulator.md`` (validation table and scaling tables) and ``simulator.png`` (fraction
+Writes ``simulator.json``, ``simulator.md`` (validation tables and scaling tables) and ``simulator.png`` (fraction
 of the ideal throughput and utilisation vs number of ranks, one panel per speed mix) to ``--out``.
 
 Why: the real benchmark (``benchmarks.heterogeneous``) has 2 CPU ranks. The simulator, checked against those
@@ -17,25 +16,35 @@ Model and assumptions (what the numbers do and do not include):
 * Every rank ``i`` has a mean step time ``t_i`` (seconds per optimizer step, data loading included). A step's
   time is ``t_i * f_i(t) * e`` with ``e`` lognormal of mean 1 (``sigma`` = ``noise``), independent across steps
   and ranks, and ``f_i(t)`` an optional piecewise-constant slowdown profile ("rank r is k x slower from t s"),
-  read at the start of each round (exact for BSP, whose rounds are one step).
+  read at the start of each round (exact for BSP, whose rounds are one step). ``first_step_s`` is added to
+  every rank's first step (start-up transient: allocator, first batch, first optimizer step).
 * A round: rank ``i`` runs ``tau_i`` local steps, then idles through ``max tau - tau_i`` no-op slots at
   ``noop_s`` each (the strategy's lock-step slots: Lightning still runs its loop around an empty batch; the
   scaling study takes 0, the 2-rank CPU benchmark about 1 ms), waits at the barrier for the last rank, then
-  every rank pays one all-reduce of the model. BSP is the round with ``tau_i = 1`` whose all-reduce (of the
-  gradients, same size) is hidden behind backward by ``overlap``.
+  every rank pays one all-reduce of the model plus ``round_overhead_s`` of bookkeeping. BSP is the round with
+  ``tau_i = 1`` whose all-reduce (of the gradients, same size) is hidden behind backward by ``overlap``.
 * All-reduce cost: ring, ``2 (N-1)/N * bytes / bandwidth + 2 (N-1) * latency`` (0 for one rank); no topology,
   no congestion, the same every round, no overlap of local SGD's averaging with compute.
-* Oscars mirrors ``OscarsStrategy``: a warm-up round of ``warmup_steps`` steps per rank; per round the median
-  of each rank's step times, smoothed by an EMA (``smoothing``); the first solve happens after the warm-up
-  with an all-reduce cost of 0 (the strategy has not timed an all-reduce yet), later re-solves only when a
-  rank's smoothed time drifted by more than ``rebalance_threshold``, adopted only if predicted ``min_gain``
-  faster. At the end of an epoch the last round is cut to the data left (proportionally to ``tau``); in the
-  validation the first epoch is padded with no-op slots up to ``total_units`` slots, as the strategy sizes it
-  before the speeds are known.
-* Validation (``--validate``): per-rank step times, the averaging and DDP per-step costs, no-op slot, epoch and
-  startup overheads are inputs (command line over optional JSON fields over dev-box defaults; every source
-  is reported); the simulator predicts train time, wall time and samples/s, and a sensitivity table shows
-  how the error moves with each input.
+* Local SGD and oscars run on the strategy's own epoch plan (``lightning_oscars.partition.EpochPlan``): every
+  rank iterates the same slots, a round takes the next ``sum tau_i`` units of the epoch, the last rounds of an
+  epoch shrink to the data left. Validation every ``val_check_interval`` of the epoch's slots forces an extra
+  averaging when it falls inside a round (the strategy averages before validating).
+* Oscars mirrors ``OscarsStrategy``: a warm-up round of ``warmup_steps`` steps per rank; per averaging the
+  median of each rank's step times, smoothed by an EMA (``smoothing``); the all-reduce cost the solver sees is
+  the previous averaging's (0 at the first solve); step times within 5% of each other are snapped to their
+  group's slowest before the exact solver runs (``snap_step_times``); a re-solve happens when a rank's smoothed
+  time, or the all-reduce cost relative to the round (``|c_new - c_old| / (T + c_old)``), drifted by more than
+  ``rebalance_threshold``, and is adopted only if predicted ``min_gain`` faster; a new schedule re-plans the
+  epoch at the next round boundary. The first epoch is sized as an upper bound (``total_units`` slots, speeds
+  unknown) and cut to the slots it needs as soon as the first schedule is solved.
+* Validation (``--validate``, the ``{"meta", "profiles"}`` JSON of ``benchmarks.heterogeneous``): per profile
+  the inputs come from the measured runs: per-rank step times and all-reduce cost from the strategy's round
+  history (each local SGD / oscars configuration its own, ddp the profile's pooled ones), the no-op slot and
+  per-averaging overhead from a fit of every round's wall time across all histories, the start-up transient
+  from the first round, the epoch turnover from ddp's validation times, and ddp's per-step overhead (gradient
+  all-reduce, DDP hooks) fitted once on the homogeneous profile (on the profile itself when that is absent:
+  then ddp's row is a fit, not a prediction). The simulator predicts train wall (validation excluded) and
+  samples/s; a sensitivity table shows how the error moves with each input.
 * Outputs are systems figures: optimizer steps per second summed over ranks (= samples/s / batch size),
   utilisation (compute time / (N x wall)) and per-rank idle fraction (barrier waits and no-op slots / wall).
   Statistical efficiency (accuracy per step of local SGD vs BSP) is not modelled.
@@ -49,13 +58,14 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from lightning_oscars.solver import Schedule, solve_schedule
+from lightning_oscars.partition import EpochPlan, planned_slots
+from lightning_oscars.solver import Schedule, snap_step_times, solve_schedule, solve_schedule_alg1
 
 __all__ = [
     "Cluster",
@@ -65,13 +75,17 @@ __all__ = [
     "Slowdown",
     "StudyConfig",
     "ValidationInputs",
+    "fit_round_costs",
+    "machine_inputs",
     "mix_step_times",
+    "parse_profile",
     "parse_slowdown",
     "predict",
     "ring_allreduce_time",
     "scaling_study",
     "simulate",
     "simulate_bsp",
+    "simulate_config",
     "simulate_local_sgd",
     "simulate_oscars",
     "validate_against",
@@ -81,20 +95,26 @@ __all__ = [
 MIXES = ("generations", "stragglers", "generations+stragglers")
 RANKS = (8, 16, 32, 64, 128, 256, 512, 1024)
 PARADIGMS = ("bsp", "local_sgd", "oscars")
+# The strategy's tolerance for treating step times as equal (lightning_oscars.strategy._SNAP_TOLERANCE).
+SNAP_TOLERANCE = 0.05
 
-# Inputs of the 2-rank validation when neither the results JSON nor the command line gives them, measured on the
-# 2-vCPU development box (torch 2.13 CPU, 1 thread per rank) while other jobs shared it (read them as +-20%):
-# * step: median time between batch ends of a 1-device Lightning fit of benchmarks.task (data fetch included);
-# * all-reduce: the strategy's own `allreduce_time` in a 2-rank oscars run at 1:3;
-# * DDP overhead: a 2-rank ddp step at 1:1 (12.0 ms between batch ends) minus the local step;
+# Machine inputs of the validation when the results JSON has no round history to derive them from, measured on
+# the 2-vCPU development box (torch 2.13 CPU, 1 thread per rank) while other jobs shared it (read them as +-50%):
 # * no-op slot: between 0.6 ms (batch-end-to-batch-end minus hook time of a real step, 1 device) and 1.7 ms
-#   (the slow rank's no-op slots in a 2-rank oscars run, contended); the weakest input, see the sensitivity table;
-# * epoch overhead: a 1-device epoch minus its 256 steps (validation on 4,096 samples + epoch turnover).
-DEV_BOX_STEP_S = 3.35e-3
-DEV_BOX_ALLREDUCE_S = 3.8e-3
-DEV_BOX_DDP_OVERHEAD_S = 8.6e-3
+#   (the slow rank's no-op slots in a 2-rank oscars run, contended);
+# * round overhead: per averaging, round wall minus busiest compute minus all-reduce in a 2-rank oscars history
+#   at 1:3 (bookkeeping after the all-reduce, hooks between the last step and the averaging), about 3 ms.
 DEV_BOX_NOOP_S = 1.0e-3
-DEV_BOX_EPOCH_OVERHEAD_S = 0.15
+DEV_BOX_ROUND_OVERHEAD_S = 3.0e-3
+# Configurations of benchmarks.heterogeneous and how the simulator runs them.
+CONFIG_PARADIGMS = {
+    "ddp": "ddp",
+    "local_sgd": "local_sgd",
+    "oscars-exact-uniform": "oscars",
+    "oscars-exact-samples": "oscars",
+    "oscars-alg1-uniform": "oscars_alg1",
+    "oscars-alg1-samples": "oscars_alg1",
+}
 
 
 # ---------------------------------------------------------------------------------------------- cost model
@@ -132,18 +152,27 @@ class Cluster:
         noise: sigma of the mean-1 lognormal factor drawn for every step.
         slowdowns: time-varying slowdown profiles.
         noop_s: seconds of one no-op slot, per rank or one value for all (local SGD with unequal ``tau``).
+        load: sigma of a per-rank, mean-1 lognormal load factor shared by all steps of a round (per rank or one
+            value for all): other jobs on a shared machine, thermal throttling. It follows a stationary AR(1)
+            in log space with correlation time ``load_time_s`` seconds (0: independent from round to round).
+            Unlike ``noise`` it does not average out over a round's steps, so it moves the per-round medians
+            the strategy re-solves on.
     """
 
     step_times: tuple[float, ...]
     noise: float = 0.0
     slowdowns: tuple[Slowdown, ...] = ()
     noop_s: float | tuple[float, ...] = 0.0
+    load: float | tuple[float, ...] = 0.0
+    load_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.step_times or any(not (t > 0 and math.isfinite(t)) for t in self.step_times):
             raise ValueError("step_times must be non-empty, finite and > 0")
         if self.noise < 0:
             raise ValueError(f"noise must be >= 0, got {self.noise}")
+        if np.any(np.asarray(self.load) < 0) or self.load_time_s < 0:
+            raise ValueError("load and load_time_s must be >= 0")
         for s in self.slowdowns:
             if not 0 <= s.rank < len(self.step_times) or s.factor <= 0 or s.start_s < 0:
                 raise ValueError(f"invalid slowdown {s}")
@@ -159,6 +188,9 @@ class Cluster:
 
     def noop_array(self) -> np.ndarray:
         return np.broadcast_to(np.asarray(self.noop_s, dtype=float), (self.n,)).copy()
+
+    def load_array(self) -> np.ndarray:
+        return np.broadcast_to(np.asarray(self.load, dtype=float), (self.n,)).copy()
 
 
 class _Timeline:
@@ -217,9 +249,12 @@ def _fit_to_remaining(steps: np.ndarray, remaining: int) -> np.ndarray:
 
 
 class Policy(Protocol):
-    """Chooses every rank's local steps for the next round from what the previous rounds showed."""
+    """Chooses every rank's local steps for the next round from what the previous averagings showed."""
 
     name: str
+
+    @property
+    def solved(self) -> bool: ...
 
     def local_steps(self, n: int) -> np.ndarray: ...
 
@@ -232,6 +267,11 @@ class FixedPolicy:
 
     steps: int
     name: str = "local_sgd"
+    adaptive = False
+
+    @property
+    def solved(self) -> bool:
+        return True
 
     def local_steps(self, n: int) -> np.ndarray:
         return np.full(n, self.steps, dtype=np.int64)
@@ -245,6 +285,8 @@ class OscarsPolicy:
     """Oscars as ``OscarsStrategy`` runs it (see the module docstring); ``initial_step_times`` skips profiling.
 
     Attributes:
+        solver: ``"exact"`` (step times snapped within ``snap_tolerance``, then the exact solver) or ``"alg1"``
+            (the paper's Algorithm 1 on the raw times, blind to the all-reduce cost), as the strategy's option.
         resolve: re-solve on drift (the strategy's behaviour); ``False`` keeps the first schedule.
         initial_step_times / initial_allreduce_s: solve before the first round from these (an oracle, or the
             strategy's pinned ``step_times``) instead of a warm-up round.
@@ -257,23 +299,37 @@ class OscarsPolicy:
     rebalance_threshold: float = 0.2
     min_gain: float = 0.03
     smoothing: float = 0.5
+    snap_tolerance: float = SNAP_TOLERANCE
+    solver: str = "exact"
     resolve: bool = True
     initial_step_times: Sequence[float] | None = None
     initial_allreduce_s: float = 0.0
     name: str = "oscars"
+    adaptive = True
     schedule: Schedule | None = field(default=None, init=False)
     solves: int = field(default=0, init=False)
     _estimate: np.ndarray | None = field(default=None, init=False, repr=False)
     _measured_allreduce: float = field(default=0.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.solver not in ("exact", "alg1"):
+            raise ValueError(f"solver must be 'exact' or 'alg1', got {self.solver!r}")
         if self.initial_step_times is not None:
             self.schedule = self._solve(tuple(self.initial_step_times), self.initial_allreduce_s)
+            self._measured_allreduce = self.initial_allreduce_s  # an oracle knows the cost from the start
+
+    @property
+    def solved(self) -> bool:
+        return self.schedule is not None
 
     def _solve(self, times: Sequence[float], allreduce_s: float) -> Schedule:
+        """``OscarsStrategy._solve``: Algorithm 1 on the raw times, or the exact solver on snapped times."""
         self.solves += 1
+        if self.solver == "alg1":
+            solved = solve_schedule_alg1(times, self.max_spread, max_local_steps=self.max_local_steps)
+            return Schedule(solved.local_steps, solved.step_times, allreduce_s)
         return solve_schedule(
-            times,
+            snap_step_times(times, self.snap_tolerance),
             allreduce_s,
             max_spread=self.max_spread,
             max_local_steps=self.max_local_steps,
@@ -286,8 +342,9 @@ class OscarsPolicy:
         return np.asarray(self.schedule.local_steps, dtype=np.int64)
 
     def observe(self, medians: np.ndarray, allreduce_s: float) -> bool:
+        """One averaging: fold the medians into the estimate, maybe re-solve; True if the local steps changed."""
         # The control vector of averaging k carries the all-reduce time of averaging k-1: the solver after the
-        # warm-up sees 0, later ones the previous round's cost.
+        # warm-up sees 0, later ones the previous averaging's cost.
         known_cost = self._measured_allreduce
         self._measured_allreduce = allreduce_s
         seen = ~np.isnan(medians)
@@ -305,8 +362,13 @@ class OscarsPolicy:
             return True
         if not self.resolve:
             return False
+        # OscarsStrategy._update_schedule: drift of any rank's time against the (snapped) times solved for, or
+        # of the all-reduce cost relative to the round (the first schedule was solved at cost 0).
         reference = np.asarray(self.schedule.step_times)
-        if float(np.max(np.abs(self._estimate - reference) / reference)) <= self.rebalance_threshold:
+        drift = float(np.max(np.abs(self._estimate - reference) / reference))
+        old_cost = self.schedule.allreduce_time
+        drift = max(drift, abs(known_cost - old_cost) / (self.schedule.period + old_cost))
+        if drift <= self.rebalance_threshold:
             return False
         current = self.schedule.evaluated_at(times, known_cost)
         candidate = self._solve(times, known_cost)
@@ -324,7 +386,10 @@ class OscarsPolicy:
 
 @dataclass
 class SimResult:
-    """What one simulated run did. Times in seconds; arrays are per rank."""
+    """What one simulated run did. Times in seconds; arrays are per rank. ``rounds`` counts averagings.
+
+    ``validation_s``: simulated train time at every validation; ``history``: per-averaging records (if asked).
+    """
 
     paradigm: str
     wall_s: float
@@ -337,6 +402,8 @@ class SimResult:
     round_utilization: float
     schedule_changes: list[tuple[int, tuple[int, ...]]]
     epoch_end_s: list[float]
+    validation_s: list[float] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def throughput(self) -> float:
@@ -397,6 +464,127 @@ def _compress_steps(steps: tuple[int, ...] | None, classes: Sequence[str] | None
     return {c: sorted(v) for c, v in out.items()}
 
 
+def _val_check_batch(total_slots: int, interval: float | None) -> int | None:
+    """Lightning's ``val_check_batch`` for a float ``val_check_interval`` (the strategy re-sizes it with the epoch)."""
+    return max(1, int(total_slots * interval)) if interval else None
+
+
+class _Engine:
+    """Clock and accumulators of one simulated run; :meth:`round` runs a round and its averaging(s)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        policy: Policy,
+        allreduce_s: float,
+        round_overhead_s: float,
+        first_step_s: float,
+        seed: int | np.random.SeedSequence | Sequence[int],
+        record_batch_size: int | None = None,
+    ) -> None:
+        n = cluster.n
+        self.n, self.policy = n, policy
+        self.rng = np.random.default_rng(seed)
+        self.means = np.asarray(cluster.step_times, dtype=float)
+        self.noise = cluster.noise
+        self.noop = cluster.noop_array()
+        self.timeline = _Timeline(n, cluster.slowdowns)
+        self.load, self.load_time_s = cluster.load_array(), cluster.load_time_s
+        self._log_load = self.load * self.rng.standard_normal(n) if self.load.any() else np.zeros(n)
+        self._load_at = 0.0
+        self.allreduce_s, self.round_overhead_s, self.first_step_s = allreduce_s, round_overhead_s, first_step_s
+        self.now = self.comm = self.other = self.util_sum = 0.0
+        self.compute, self.idle = np.zeros(n), np.zeros(n)
+        self.averagings = self.slots = self.epoch = 0
+        self.changes: list[tuple[int, tuple[int, ...]]] = []
+        self.epoch_ends: list[float] = []
+        self.validations: list[float] = []
+        self.record_batch_size = record_batch_size
+        self.history: list[dict[str, Any]] = []
+        self._started = False
+
+    def note_schedule(self) -> None:
+        planned = tuple(int(x) for x in self.policy.local_steps(self.n))
+        if not self.changes or self.changes[-1][1] != planned:
+            self.changes.append((self.averagings, planned))
+
+    def round(self, quotas: np.ndarray, width: int, cuts: Sequence[int] = (), validate_at_end: bool = False) -> bool:
+        """``width`` slots, rank ``i`` real in its first ``quotas[i]``; average at every cut and at the end.
+
+        A cut is a validation inside the round (the strategy averages before validating); ``validate_at_end``
+        marks a validation right after the round. Returns whether the policy changed the schedule at any of
+        these averagings. Each averaging folds the medians of the steps since the previous one into the policy,
+        as the strategy does at every averaging.
+        """
+        n = self.n
+        factors = self.timeline.at(self.now) * self._load_factors()
+        draws = self.means[:, None] * factors[:, None] * _lognormal(self.rng, (n, width), self.noise)
+        if not self._started:
+            draws[:, 0] += self.first_step_s
+            self._started = True
+        taken = np.arange(width)[None, :] < quotas[:, None]
+        changed = False
+        for a, b in zip((0, *cuts), (*cuts, width)):
+            real = np.clip(quotas - a, 0, b - a)
+            busy = np.where(taken[:, a:b], draws[:, a:b], 0.0).sum(axis=1)
+            period = float(np.max(busy + self.noop * ((b - a) - real)))
+            self.compute += busy
+            self.idle += period - busy
+            self.comm += self.allreduce_s
+            self.other += self.round_overhead_s
+            if period + self.allreduce_s > 0:
+                self.util_sum += busy.sum() / (n * (busy.max() + self.allreduce_s))
+            self.now += period + self.allreduce_s + self.round_overhead_s
+            self.averagings += 1
+            medians = _row_medians(draws[:, a:b], real) if getattr(self.policy, "adaptive", True) else real * np.nan
+            if self.record_batch_size is not None:
+                self._record(real, busy, self.slots + b)
+            changed = self.policy.observe(medians, self.allreduce_s) or changed
+            if b < width or validate_at_end:
+                self.validations.append(self.now)
+        self.slots += width
+        return changed
+
+    def _record(self, real: np.ndarray, busy: np.ndarray, global_step: int) -> None:
+        """A history record as ``OscarsStrategy`` writes it (the all-reduce time is the previous averaging's)."""
+        self.history.append(
+            {
+                "round": self.averagings,
+                "time": self.now,
+                "epoch": self.epoch,
+                "global_step": global_step,
+                "local_steps": [int(x) for x in self.policy.local_steps(self.n)],
+                "samples": [int(x) * int(self.record_batch_size or 1) for x in real],
+                "compute_times": [float(x) for x in busy],
+                "allreduce_time": self.allreduce_s if self.averagings > 1 else 0.0,
+            }
+        )
+
+    def _load_factors(self) -> np.ndarray:
+        """This round's mean-1 load factors: the log-AR(1) advanced by the time since the previous round."""
+        if not self.load.any():
+            return np.ones(self.n)
+        elapsed, self._load_at = self.now - self._load_at, self.now
+        rho = math.exp(-elapsed / self.load_time_s) if self.load_time_s > 0 else 0.0
+        fresh = self.load * self.rng.standard_normal(self.n)
+        self._log_load = rho * self._log_load + math.sqrt(1.0 - rho * rho) * fresh
+        return np.exp(self._log_load - 0.5 * self.load * self.load)
+
+    def idle_slots(self, slots: int, validations: int = 0) -> None:
+        """Slots without data on any rank (the tail of an epoch sized too long): no-ops everywhere, no averaging."""
+        seconds = slots * float(self.noop.max())
+        self.now += seconds
+        self.idle += seconds
+        self.slots += slots
+        self.validations += [self.now] * validations
+
+    def end_epoch(self, overhead_s: float) -> None:
+        self.now += overhead_s
+        self.other += overhead_s
+        self.epoch_ends.append(self.now)
+        self.epoch += 1
+
+
 def simulate(
     cluster: Cluster,
     policy: Policy,
@@ -405,75 +593,91 @@ def simulate(
     allreduce_s: float,
     units_per_epoch: int | None = None,
     epoch_overhead_s: float = 0.0,
-    first_epoch_slots: int | None = None,
+    round_overhead_s: float = 0.0,
+    first_step_s: float = 0.0,
+    val_check_interval: float | None = None,
+    planned: bool = True,
+    record_batch_size: int | None = None,
     seed: int | np.random.SeedSequence | Sequence[int] = 0,
 ) -> SimResult:
-    """Run rounds until ``total_units`` optimizer steps (summed over ranks) are done.
+    """Run epochs until ``total_units`` optimizer steps (summed over ranks) are done.
 
-    Each round draws every rank's step times at once (a ranks x steps matrix), so the cost is one NumPy pass
-    per round whatever the number of ranks. ``allreduce_s`` is the exposed communication per round. Every
-    ``units_per_epoch`` units the round is cut short, averaged, and ``epoch_overhead_s`` (validation) is added.
-    ``first_epoch_slots``: the first epoch runs this many slots even when its data is used up earlier, the rest
-    as no-ops on every rank (``OscarsStrategy`` sizes the first epoch to ``total_units`` slots, an upper bound,
-    because speeds are unknown when it starts).
+    Each round draws every rank's step times at once (a ranks x slots matrix), so the cost is one NumPy pass
+    per round whatever the number of ranks. ``allreduce_s`` is the exposed communication per averaging,
+    ``round_overhead_s`` the bookkeeping around it, ``epoch_overhead_s`` the epoch turnover (validation itself
+    takes no simulated time: the benchmark excludes it; its times are in ``SimResult.validation_s``).
+
+    ``planned`` (local SGD, oscars): rounds follow the strategy's ``EpochPlan``; an epoch that starts before the
+    policy has a schedule is sized as an upper bound (``units`` slots) and cut (``replan(shrink=True)``) when
+    the first schedule is adopted; later changes re-plan at the next round boundary; a validation (every
+    ``val_check_interval`` of the epoch's slots) inside a round forces an averaging. Otherwise (BSP) rounds of
+    ``local_steps`` run until the epoch's units are used, the last one cut in proportion (a
+    ``DistributedSampler``'s even split). ``record_batch_size``: keep a per-averaging history as the strategy
+    writes it, with samples counted at this batch size.
     """
     n = cluster.n
-    rng = np.random.default_rng(seed)
-    means = np.asarray(cluster.step_times, dtype=float)
-    noop = cluster.noop_array()
-    timeline = _Timeline(n, cluster.slowdowns)
+    engine = _Engine(cluster, policy, allreduce_s, round_overhead_s, first_step_s, seed, record_batch_size)
     epoch_units = units_per_epoch or total_units
-    now = comm = other = util_sum = 0.0
-    compute, idle = np.zeros(n), np.zeros(n)
-    done = in_epoch = slots_in_epoch = rounds = 0
-    changes: list[tuple[int, tuple[int, ...]]] = []
-    epoch_ends: list[float] = []
-    last_steps: tuple[int, ...] | None = None
+    done = 0
     while done < total_units:
-        planned = policy.local_steps(n)
-        steps = _fit_to_remaining(planned, min(epoch_units - in_epoch, total_units - done))
-        if tuple(planned) != last_steps:
-            last_steps = tuple(int(x) for x in planned)
-            changes.append((rounds, last_steps))
-        width = int(steps.max())
-        draws = means[:, None] * timeline.at(now)[:, None] * _lognormal(rng, (n, width), cluster.noise)
-        taken = np.arange(width)[None, :] < steps[:, None]
-        busy = np.where(taken, draws, 0.0).sum(axis=1)
-        period = float(np.max(busy + noop * (width - steps)))
-        compute += busy
-        idle += period - busy
-        comm += allreduce_s
-        wall_round = period + allreduce_s
-        util_sum += busy.sum() / (n * (busy.max() + allreduce_s)) if wall_round > 0 else 0.0
-        now += wall_round
-        done += int(steps.sum())
-        in_epoch += int(steps.sum())
-        slots_in_epoch += width
-        rounds += 1
-        policy.observe(_row_medians(draws, steps), allreduce_s)
-        if in_epoch >= epoch_units or done >= total_units:
-            if first_epoch_slots and not epoch_ends and slots_in_epoch < first_epoch_slots:
-                padding = (first_epoch_slots - slots_in_epoch) * float(noop.max())
-                now += padding
-                idle += padding
-            slots_in_epoch = 0
-            now += epoch_overhead_s
-            other += epoch_overhead_s
-            epoch_ends.append(now)
-            in_epoch = 0
+        units = min(epoch_units, total_units - done)
+        if planned:
+            _planned_epoch(engine, units, val_check_interval)
+        else:
+            per_rank = -(-units // n)  # a DistributedSampler's batches per rank: the slots of the epoch
+            check = _val_check_batch(per_rank, val_check_interval)
+            left, slot = units, 0
+            while left > 0:
+                engine.note_schedule()
+                steps = _fit_to_remaining(policy.local_steps(n), left)
+                width = int(steps.max())
+                engine.round(steps, width, validate_at_end=bool(check) and (slot + width) // check > slot // check)
+                left -= int(steps.sum())
+                slot += width
+        done += units
+        engine.end_epoch(epoch_overhead_s)
     return SimResult(
         paradigm=policy.name,
-        wall_s=now,
+        wall_s=engine.now,
         units=done,
-        rounds=rounds,
-        compute_s=compute,
-        idle_s=idle,
-        comm_s=comm,
-        other_s=other,
-        round_utilization=util_sum / max(rounds, 1),
-        schedule_changes=changes,
-        epoch_end_s=epoch_ends,
+        rounds=engine.averagings,
+        compute_s=engine.compute,
+        idle_s=engine.idle,
+        comm_s=engine.comm,
+        other_s=engine.other,
+        round_utilization=engine.util_sum / max(engine.averagings, 1),
+        schedule_changes=engine.changes,
+        epoch_end_s=engine.epoch_ends,
+        validation_s=engine.validations,
+        history=engine.history,
     )
+
+
+def _planned_epoch(engine: _Engine, units: int, val_check_interval: float | None) -> None:
+    """One epoch on ``EpochPlan`` as ``OscarsStrategy.start_epoch`` / ``average`` drive it."""
+    n, policy = engine.n, engine.policy
+    steps = tuple(int(x) for x in policy.local_steps(n))
+    upper_bound = not policy.solved  # speeds unknown: every unit could need its own slot
+    plan = EpochPlan(n, units, units if upper_bound else planned_slots(steps, units), steps)
+    check = _val_check_batch(plan.total_slots, val_check_interval)
+    slot, pending = 0, False
+    while slot < plan.total_slots:
+        rnd = plan.round_at(slot)
+        if rnd.is_empty:
+            engine.idle_slots(rnd.end_slot - slot, (rnd.end_slot // check - slot // check) if check else 0)
+            slot = rnd.end_slot
+            continue
+        engine.note_schedule()
+        cuts = [c - slot for c in range(slot + 1, rnd.end_slot) if check and c % check == 0]
+        at_end = bool(check) and rnd.end_slot % check == 0
+        pending = engine.round(np.asarray(rnd.quotas, dtype=np.int64), rnd.length, cuts, at_end) or pending
+        slot = rnd.end_slot
+        if pending and slot < plan.total_slots:
+            plan.replan(slot, tuple(int(x) for x in policy.local_steps(n)), shrink=upper_bound)
+            pending = False
+            if upper_bound:
+                upper_bound = False
+                check = _val_check_batch(plan.total_slots, val_check_interval)
 
 
 def simulate_bsp(
@@ -482,6 +686,7 @@ def simulate_bsp(
     """BSP / DDP: one step per rank, wait for the slowest, then the part of the all-reduce not hidden."""
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must lie in [0, 1], got {overlap}")
+    kw.setdefault("planned", False)
     return simulate(cluster, FixedPolicy(1, name="bsp"), total_units, allreduce_s=(1.0 - overlap) * allreduce_s, **kw)
 
 
@@ -592,225 +797,626 @@ def scaling_study(cfg: StudyConfig, progress: Callable[[str], None] | None = Non
 # ---------------------------------------------------------------------------------------------- validation
 
 
-@dataclass(frozen=True)
-class ValidationInputs:
-    """Step-level inputs of the 2-rank validation; the simulator predicts the end-to-end figures from them.
+def parse_profile(spec: str) -> dict[int, list[tuple[float, float]]]:
+    """``"1:3"`` -> ``{1: [(0.0, 3.0)]}``; ``"1:3@0,1@3;0:1@0,3@3"``: ranks 0 and 1 swap speeds after 3 s.
 
-    Attributes:
-        step_times: per-rank seconds per local optimizer step as the rank runs (emulated slowdown included,
-            barrier waits excluded).
-        slowdown: per-rank emulated factor ``k_i`` (1 for normal ranks).
-        allreduce_s: seconds of one oscars averaging (flat buffer of parameters, buffers and control data).
-        ddp_overhead_s: seconds a DDP step adds over a local step at equal speeds (exposed gradient all-reduce
-            and DDP bookkeeping).
-        emulator_scales_ddp_comm: ``HeterogeneityEmulator`` sleeps ``(k-1)`` x the rank's whole batch, and a DDP
-            batch contains its gradient all-reduce, so the slow rank's DDP step is ``k x (step + overhead)``.
-        noop_s: seconds of one no-op slot (Lightning's loop around an empty batch; not scaled by the emulator,
-            which sleeps in proportion to the near-empty hook time only).
-        epoch_overhead_s: validation + epoch turnover per epoch.
-        startup_s: seconds of ``trainer.fit`` outside the training loop (process group, setup, teardown).
-        samples, batch_size, epochs: the run's data.
-        noise: per-step lognormal sigma. seeds: simulated runs averaged per prediction.
-        sources: where every input came from (``cli``, ``json``, ``default``).
+    The syntax of ``benchmarks.task.parse_profile`` (``rank:factor@start_s,...`` separated by ``;``), re-implemented
+    because that module imports torch. Entries are sorted by start time.
     """
-
-    step_times: tuple[float, ...]
-    slowdown: tuple[float, ...]
-    allreduce_s: float
-    ddp_overhead_s: float
-    emulator_scales_ddp_comm: bool = True
-    noop_s: float = DEV_BOX_NOOP_S
-    epoch_overhead_s: float = DEV_BOX_EPOCH_OVERHEAD_S
-    startup_s: float = 0.0
-    samples: int = 65536
-    batch_size: int = 64
-    epochs: int = 4
-    noise: float = 0.1
-    seeds: int = 5
-    sources: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def units_per_epoch(self) -> int:
-        return self.samples // self.epochs // self.batch_size
-
-    def ddp_step_times(self) -> tuple[float, ...]:
-        """Per-rank seconds of a DDP step before the barrier: the local step plus the (maybe emulated) overhead."""
-        scale = self.slowdown if self.emulator_scales_ddp_comm else (1.0,) * len(self.step_times)
-        return tuple(t + k * self.ddp_overhead_s for t, k in zip(self.step_times, scale))
+    out: dict[int, list[tuple[float, float]]] = {}
+    for part in filter(None, str(spec).split(";")):
+        rank, profile = part.split(":")
+        entries = []
+        for item in profile.split(","):
+            factor, _, start = item.partition("@")
+            entries.append((float(start or 0.0), float(factor)))
+        out[int(rank)] = sorted(entries)
+    return out
 
 
-def parse_slowdown(spec: str | Mapping[Any, Any], n: int) -> tuple[float, ...]:
-    """``"1:3"`` or ``{1: 3}`` -> ``(1.0, 3.0)`` for 2 ranks.
-
-    A time profile (``"1:1@0,3@10"``, as ``benchmarks.train_job`` takes it) counts with its last factor: the
-    validation models a constant slowdown.
-    """
+def parse_slowdown(spec: str | Mapping[Any, Any], n: int, at_s: float = math.inf) -> tuple[float, ...]:
+    """Per-rank emulated factors in force at ``at_s`` seconds (default: the last ones): ``"1:3"`` -> ``(1.0, 3.0)``."""
     factors = [1.0] * n
     if isinstance(spec, Mapping):
         for rank, factor in spec.items():
             factors[int(rank)] = float(factor)
         return tuple(factors)
-    for part in filter(None, str(spec).split(";")):
-        rank, profile = part.split(":")
-        last = profile.split(",")[-1]
-        factors[int(rank)] = float(last.split("@")[0])
+    for rank, entries in parse_profile(spec).items():
+        for start, factor in entries:
+            if start <= at_s:
+                factors[rank] = factor
     return tuple(factors)
 
 
-def _lookup(sources: Sequence[Mapping[str, Any]], names: Sequence[str]) -> Any:
-    """First non-null value of any of ``names`` in ``sources``, the median across runs for per-run fields."""
-    for src in sources:
-        runs = src.get("runs") if isinstance(src.get("runs"), list) else None
-        for name in names:
-            if runs:
-                values = [r[name] for r in runs if isinstance(r, Mapping) and r.get(name) is not None]
-                if values:
-                    return _median_value(values)
-            if src.get(name) is not None:
-                return src[name]
-    return None
-
-
-def _median_value(values: list[Any]) -> Any:
-    """Median of numbers, or elementwise median of equal-length lists; the first value otherwise."""
-    if all(isinstance(v, (int, float)) for v in values):
-        return statistics.median(values)
-    if all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1:
-        try:
-            return [statistics.median(col) for col in zip(*values)]
-        except TypeError:
-            return values[0]
-    return values[0]
-
-
-def _curve_times(run: Mapping[str, Any]) -> list[float]:
-    """Seconds since the start of training at every validation (``curve`` rows start with it); [] if malformed."""
-    curve = run.get("curve")
-    if not isinstance(curve, list):
-        return []
+def _profile_spec(results: Mapping[str, Any], profile: str) -> str:
+    """The slowdown string of ``profile``: the results' ``meta``, else ``benchmarks.heterogeneous.PROFILES``."""
+    meta = results.get("meta") if isinstance(results.get("meta"), Mapping) else {}
+    specs = meta.get("profiles") if isinstance(meta.get("profiles"), Mapping) else {}
+    if isinstance(specs.get(profile), str):
+        return specs[profile]
     try:
-        return [float(point[0]) for point in curve]
+        from benchmarks.heterogeneous import PROFILES
+    except ImportError:  # pragma: no cover - run from outside the repository
+        PROFILES = {}
+    if profile in PROFILES:
+        return PROFILES[profile]
+    raise ValueError(f"profile {profile!r}: no slowdown string in the results' meta nor in benchmarks.heterogeneous")
+
+
+def _is_time_varying(spec: str) -> bool:
+    return any(len(entries) > 1 or entries[0][0] > 0 for entries in parse_profile(spec).values())
+
+
+def _runs(config: Any) -> list[Mapping[str, Any]]:
+    if not isinstance(config, Mapping) or not isinstance(config.get("runs"), list):
+        return []
+    return [r for r in config["runs"] if isinstance(r, Mapping)]
+
+
+def _history(run: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    history = run.get("history")
+    return [r for r in history if isinstance(r, Mapping)] if isinstance(history, list) else []
+
+
+def _curve(run: Mapping[str, Any]) -> list[float]:
+    """Training seconds (validation excluded) at every validation; [] if absent or malformed."""
+    curve = run.get("curve")
+    try:
+        return [float(point[0]) for point in curve] if isinstance(curve, list) else []
     except (TypeError, ValueError, IndexError):
         return []
 
 
-def _measured(summary: Mapping[str, Any]) -> dict[str, Any]:
-    """The measured end-to-end figures of one strategy (medians over runs); missing fields become None."""
-    runs = [r for r in summary.get("runs", []) if isinstance(r, Mapping)]
-    curves = [(r, _curve_times(r)) for r in runs]
-    curves = [(r, c) for r, c in curves if c]
-    walls = [float(r["wall_s"]) for r in runs if isinstance(r.get("wall_s"), (int, float))]
-    util = [r["mean_utilization"] for r in runs if isinstance(r.get("mean_utilization"), (int, float))]
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def _elementwise_median(rows: Sequence[Sequence[float] | None]) -> tuple[float, ...] | None:
+    rows = [r for r in rows if r]
+    if not rows or len({len(r) for r in rows}) != 1:
+        return None
+    return tuple(float(statistics.median(col)) for col in zip(*rows))
+
+
+def run_step_times(run: Mapping[str, Any], batch_size: int) -> list[float] | None:
+    """Per-rank mean seconds per real step of one local SGD / oscars run.
+
+    From the round history: compute time over real steps, the first round (profiling, start-up transient) left
+    out. Without a history: the run's last smoothed step times (``step_time_s``).
+    """
+    rounds = _history(run)[1:]
+    try:
+        compute = np.sum([r["compute_times"] for r in rounds], axis=0, dtype=float)
+        steps = np.sum([r["samples"] for r in rounds], axis=0, dtype=float) / batch_size
+        if rounds and compute.ndim == 1 and np.all(steps > 0) and np.all(compute > 0):
+            return [float(x) for x in compute / steps]
+    except (KeyError, TypeError, ValueError):
+        pass
+    times = run.get("step_time_s")
+    if isinstance(times, list) and times and all((_number(t) or 0.0) > 0 for t in times):
+        return [float(t) for t in times]
+    return None
+
+
+def run_allreduce(run: Mapping[str, Any]) -> float | None:
+    """Median averaging cost of one run (the history's per-round ``allreduce_time``), else its last one."""
+    costs = [_number(r.get("allreduce_time")) for r in _history(run)[1:]]
+    costs = [c for c in costs if c]
+    if costs:
+        return float(statistics.median(costs))
+    cost = _number(run.get("allreduce_s"))
+    return cost if cost else None
+
+
+def round_residuals(run: Mapping[str, Any], batch_size: int) -> list[tuple[float, np.ndarray, np.ndarray]]:
+    """Per clean round of a history: (wall - all-reduce - busiest compute, compute per rank, no-op slots per rank).
+
+    Rounds across an epoch turnover are left out, and so are the rounds whose wall contains a validation (the
+    history's clock runs through validation): the largest residuals, as many as the run has validations.
+    """
+    history = _history(run)
+    rows = []
+    for a, b in zip(history[:-1], history[1:]):
+        try:
+            if a["epoch"] != b["epoch"]:
+                continue
+            wall = float(b["time"]) - float(a["time"])
+            slots = int(b["global_step"]) - int(a["global_step"])
+            compute = np.asarray(b["compute_times"], dtype=float)
+            real = np.asarray(b["samples"], dtype=float) / batch_size
+            cost = float(b["allreduce_time"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if slots > 0 and wall > 0 and compute.ndim == 1 and compute.size:
+            rows.append((wall - cost - float(compute.max()), compute, np.maximum(slots - real, 0.0)))
+    skip = len(_curve(run))
+    rows.sort(key=lambda row: row[0])
+    return rows[: max(len(rows) - skip, 0)]
+
+
+def fit_round_costs(
+    rows: Sequence[tuple[float, np.ndarray, np.ndarray]], max_noop_s: float = 5e-3
+) -> tuple[float, float] | None:
+    """(no-op slot s, per-averaging overhead s) that best explain the rounds' residuals (least absolute error).
+
+    A round's wall beyond its busiest compute and all-reduce is ``max_i(c_i + noop k_i) - max_i c_i + overhead``
+    (``k_i`` no-op slots of rank ``i``). Grid over ``noop`` (0.05 ms steps), the median residual as overhead.
+    Equal-speed rounds (no no-ops) pin the overhead; rounds where a rank with no-ops finishes last pin ``noop``.
+    """
+    rows = [r for r in rows if len(r[1]) == len(rows[0][1])] if rows else []
+    if len(rows) < 5:
+        return None
+    residual = np.array([r[0] for r in rows])
+    compute = np.stack([r[1] for r in rows])
+    noops = np.stack([r[2] for r in rows])
+    best: tuple[float, float, float] | None = None
+    for noop in np.arange(0.0, max_noop_s + 1e-12, 5e-5):
+        extra = (compute + noop * noops).max(axis=1) - compute.max(axis=1)
+        gap = residual - extra
+        overhead = float(np.median(gap))
+        score = float(np.mean(np.abs(gap - overhead)))
+        if best is None or score < best[0] - 1e-12:
+            best = (score, float(noop), overhead)
+    assert best is not None
+    return best[1], max(best[2], 0.0)
+
+
+def first_round_transient(run: Mapping[str, Any], step_times: Sequence[float] | None, batch_size: int) -> float | None:
+    """Extra seconds of the start-up in the first round: ``max_i(compute_i - steps_i x t_i)``."""
+    history = _history(run)
+    if not history or not step_times:
+        return None
+    try:
+        compute = np.asarray(history[0]["compute_times"], dtype=float)
+        steps = np.asarray(history[0]["samples"], dtype=float) / batch_size
+        return float(np.max(compute - steps * np.asarray(step_times)))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def curve_transient(run: Mapping[str, Any]) -> float | None:
+    """ddp's start-up transient: the first validation's time minus the typical gap between validations."""
+    times = _curve(run)
+    if len(times) < 3:
+        return None
+    return times[0] - float(np.median(np.diff(times)))
+
+
+def curve_turnover(run: Mapping[str, Any], epochs: int) -> float | None:
+    """Epoch turnover of a ddp run: median gap across an epoch end minus median gap within epochs."""
+    times = _curve(run)
+    per = len(times) // epochs if epochs else 0
+    if per < 2 or len(times) != per * epochs or epochs < 2:
+        return None
+    gaps = np.diff(times)
+    crossing = [g for j, g in enumerate(gaps) if (j + 1) % per == 0]
+    within = [g for j, g in enumerate(gaps) if (j + 1) % per != 0]
+    return float(np.median(crossing) - np.median(within))
+
+
+def run_load(run: Mapping[str, Any], batch_size: int, noise: float = 0.0) -> tuple[list[float], float | None] | None:
+    """Per-rank load sigma and the load's correlation time (s) of one run, from its rounds' mean step times.
+
+    A round's mean step time ``x = compute / real steps`` varies with the machine's load (and with the per-step
+    noise, ``noise^2 / steps`` of the variance, subtracted). The correlation time comes from the lag-1
+    autocorrelation ``rho`` of ``log x`` at the median round spacing ``dt``: ``-dt / ln(rho)``.
+    """
+    rounds = _history(run)[1:]
+    try:
+        compute = np.asarray([r["compute_times"] for r in rounds], dtype=float)
+        real = np.asarray([r["samples"] for r in rounds], dtype=float) / batch_size
+        times = np.asarray([float(r["time"]) for r in rounds])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if compute.ndim != 2 or len(rounds) < 8:
+        return None
+    sigmas, taus = [], []
+    for i in range(compute.shape[1]):
+        ok = real[:, i] >= 2
+        if ok.sum() < 8:
+            return None
+        logs = np.log(compute[ok, i] / real[ok, i])
+        logs -= logs.mean()
+        sigmas.append(math.sqrt(max(0.0, float(logs.var()) - noise * noise / float(np.median(real[ok, i])))))
+        rho = float(np.corrcoef(logs[:-1], logs[1:])[0, 1]) if logs.std() > 0 else 0.0
+        dt = float(np.median(np.diff(times[ok])))
+        if 0.0 < rho < 1.0 and dt > 0:
+            taus.append(-dt / math.log(rho))
+    return sigmas, (float(statistics.median(taus)) if taus else None)
+
+
+@dataclass(frozen=True)
+class ValidationInputs:
+    """Inputs of one simulated 2-rank configuration; the simulator predicts the end-to-end figures from them.
+
+    Attributes:
+        profile, spec: the benchmark's profile name and slowdown string.
+        step_times: per-rank seconds per real step at the start, as the strategy measures them (emulated sleep,
+            data loading and Lightning's per-step work included; barrier waits excluded).
+        events: ``(rank, start_s, step time)``: a rank's step time from ``start_s`` on (time-varying profiles).
+        factors: emulated factor per rank at the start.
+        allreduce_s: one averaging all-reduce (parameters, buffers and control data).
+        ddp_overhead_s: seconds a DDP step adds over the local step (gradient all-reduce, DDP hooks); not
+            scaled by the emulator (it sleeps inside ``training_step``), unless ``emulator_scales_ddp_comm``
+            (the old emulator, which slept in proportion to the whole batch).
+        noop_s: one no-op slot. round_overhead_s: bookkeeping per averaging beyond the all-reduce.
+        first_step_s: start-up transient added to every rank's first step.
+        epoch_overhead_s: epoch turnover (validation is excluded from the measured train wall).
+        load, load_time_s: per-rank sigma and correlation time of the machine's load (see :class:`Cluster`).
+        samples, batch_size, epochs, val_check_interval, local_sgd_steps: the run's set-up.
+        noise: per-step lognormal sigma. seeds: simulated runs averaged per prediction.
+        sources: where every input came from.
+    """
+
+    profile: str
+    spec: str
+    step_times: tuple[float, ...]
+    allreduce_s: float
+    ddp_overhead_s: float
+    events: tuple[tuple[int, float, float], ...] = ()
+    factors: tuple[float, ...] = ()
+    noop_s: float = DEV_BOX_NOOP_S
+    round_overhead_s: float = DEV_BOX_ROUND_OVERHEAD_S
+    first_step_s: float = 0.0
+    epoch_overhead_s: float = 0.0
+    load: tuple[float, ...] = ()
+    load_time_s: float = 0.0
+    emulator_scales_ddp_comm: bool = False
+    samples: int = 65536
+    batch_size: int = 64
+    epochs: int = 4
+    val_check_interval: float | None = 0.25
+    local_sgd_steps: int = 16
+    noise: float = 0.1
+    seeds: int = 5
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def total_units(self) -> int:
+        return self.samples // self.batch_size
+
+    @property
+    def units_per_epoch(self) -> int:
+        return self.total_units // self.epochs
+
+    def ddp_step_times(self) -> tuple[float, ...]:
+        """Per-rank seconds of a DDP step before the barrier: the local step plus the per-step overhead."""
+        scale = self.factors if self.emulator_scales_ddp_comm and self.factors else (1.0,) * len(self.step_times)
+        return tuple(t + k * self.ddp_overhead_s for t, k in zip(self.step_times, scale))
+
+    def cluster(self, paradigm: str) -> Cluster:
+        """The simulated 2 ranks: ddp's steps carry its overhead; local SGD / oscars pay no-op slots."""
+        ddp = paradigm == "ddp"
+        times = self.ddp_step_times() if ddp else self.step_times
+        extra = self.ddp_overhead_s if ddp else 0.0
+        slowdowns = tuple(Slowdown(rank, start, (target + extra) / times[rank]) for rank, start, target in self.events)
+        return Cluster(
+            times,
+            noise=self.noise,
+            slowdowns=slowdowns,
+            noop_s=0.0 if ddp else self.noop_s,
+            load=self.load or 0.0,
+            load_time_s=self.load_time_s,
+        )
+
+    def scaled(self, step: float = 1.0, allreduce: float = 1.0) -> ValidationInputs:
+        """The same inputs with every step time (and scheduled change) x ``step``, the all-reduce x ``allreduce``."""
+        return replace(
+            self,
+            step_times=tuple(t * step for t in self.step_times),
+            events=tuple((r, s, t * step) for r, s, t in self.events),
+            allreduce_s=self.allreduce_s * allreduce,
+        )
+
+
+def _results_profiles(results: Mapping[str, Any]) -> Mapping[str, Any]:
+    profiles = results.get("profiles")
+    if not isinstance(profiles, Mapping):
+        raise ValueError(
+            "the results JSON has no 'profiles': it predates the {'meta', 'profiles'} format of"
+            " benchmarks.heterogeneous; re-run python -m benchmarks.heterogeneous"
+        )
+    return profiles
+
+
+def _configs(summary: Any) -> Mapping[str, Any]:
+    configs = summary.get("configs") if isinstance(summary, Mapping) else None
+    return configs if isinstance(configs, Mapping) else {}
+
+
+def _strategy_runs(results: Mapping[str, Any], profiles: Sequence[str] | None = None) -> list[Mapping[str, Any]]:
+    """Every local SGD / oscars run (the strategy's own round history) of the given profiles (default: all)."""
+    out = []
+    for profile, summary in _results_profiles(results).items():
+        if profiles is None or profile in profiles:
+            for name, config in _configs(summary).items():
+                if name != "ddp":
+                    out += _runs(config)
+    return out
+
+
+def _setup(results: Mapping[str, Any]) -> dict[str, Any]:
+    """Samples, epochs and validations per epoch, read from the runs (benchmarks.train_job's defaults else)."""
+    meta = results.get("meta") if isinstance(results.get("meta"), Mapping) else {}
+    runs = [r for s in _results_profiles(results).values() for c in _configs(s).values() for r in _runs(c)]
+    samples = [_number(r.get("samples")) for r in runs]
+    samples = [int(s) for s in samples if s]
+    epochs = _number(meta.get("epochs")) or next((_number(r.get("epochs")) for r in runs if r.get("epochs")), None)
+    epochs = int(epochs or 4)
+    curves = [len(_curve(r)) for r in runs if _curve(r)]
+    per_epoch = statistics.median(curves) / epochs if curves else 4
     return {
-        "wall_s": summary.get("median_wall_s") or (statistics.median(walls) if walls else None),
-        "samples_per_s": summary.get("median_samples_per_s"),
-        "train_s": statistics.median(c[-1] for _, c in curves) if curves else None,
-        "epoch_end_s": _median_value([c for _, c in curves]) if curves else None,
-        "startups": [float(r["wall_s"]) - c[-1] for r, c in curves if isinstance(r.get("wall_s"), (int, float))],
-        "schedules": [r.get("schedule") for r in runs if r.get("schedule")],
-        "mean_utilization": statistics.median(util) if util else None,
-        "samples": _lookup([summary], ["samples"]),
-        "epochs": len(curves[0][1]) if curves else None,
+        "samples": int(statistics.median(samples)) if samples else 65536,
+        "epochs": epochs,
+        "val_check_interval": 1.0 / per_epoch if per_epoch >= 1 else None,
     }
+
+
+def machine_inputs(results: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Inputs shared by every profile (the machine and Lightning, not the slowdown), with their sources.
+
+    Command line (``overrides``) over what the round histories and ddp's validation times give over defaults.
+    ddp's per-step overhead is fitted on the homogeneous profile (``None`` when absent: each profile's ddp is
+    then fitted to itself).
+    """
+    overrides = dict(overrides or {})
+    batch = int(overrides.get("batch_size") or 64)
+    setup = _setup(results)
+    values: dict[str, Any] = {"batch_size": batch, **setup}
+    sources: dict[str, str] = {}
+    strategy_runs = _strategy_runs(results)
+    ddp_runs = [r for s in _results_profiles(results).values() for r in _runs(_configs(s).get("ddp"))]
+
+    rows = [row for run in strategy_runs for row in round_residuals(run, batch)]
+    fitted = fit_round_costs(rows)
+    for key, index, default in (("noop_s", 0, DEV_BOX_NOOP_S), ("round_overhead_s", 1, DEV_BOX_ROUND_OVERHEAD_S)):
+        if overrides.get(key) is not None:
+            values[key], sources[key] = float(overrides[key]), "cli"
+        elif fitted is not None:
+            values[key] = fitted[index]
+            sources[key] = f"fit of {len(rows)} rounds of {sum(1 for r in strategy_runs if _history(r))} histories"
+        else:
+            values[key], sources[key] = default, "default (no round history)"
+
+    transients = [first_round_transient(r, run_step_times(r, batch), batch) for r in strategy_runs]
+    transients = [t for t in transients if t is not None]
+    ddp_transients = [t for t in (curve_transient(r) for r in ddp_runs) if t is not None]
+    if overrides.get("first_step_s") is not None:
+        values["first_step_s"], sources["first_step_s"] = float(overrides["first_step_s"]), "cli"
+    elif transients:
+        values["first_step_s"] = max(0.0, statistics.median(transients))
+        sources["first_step_s"] = f"first round of {len(transients)} histories"
+    elif ddp_transients:
+        values["first_step_s"] = max(0.0, statistics.median(ddp_transients))
+        sources["first_step_s"] = f"ddp's first validation, {len(ddp_transients)} runs"
+    else:
+        values["first_step_s"], sources["first_step_s"] = 0.0, "default"
+
+    turnovers = [t for t in (curve_turnover(r, setup["epochs"]) for r in ddp_runs) if t is not None]
+    if overrides.get("epoch_overhead_s") is not None:
+        values["epoch_overhead_s"], sources["epoch_overhead_s"] = float(overrides["epoch_overhead_s"]), "cli"
+    elif turnovers:
+        values["epoch_overhead_s"] = max(0.0, statistics.median(turnovers))
+        sources["epoch_overhead_s"] = f"ddp's validation gaps across epoch ends, {len(turnovers)} runs"
+    else:
+        values["epoch_overhead_s"], sources["epoch_overhead_s"] = 0.0, "default"
+
+    values["noise"] = float(overrides["noise"]) if overrides.get("noise") is not None else 0.1
+    loads = [run_load(r, batch, values["noise"]) for r in _strategy_runs(results, _constant_profiles(results))]
+    load_times = [x[1] for x in loads if x and x[1] is not None]
+    if overrides.get("load") is not None:
+        values["load"], sources["load"] = float(overrides["load"]), "cli"
+    else:
+        values["load"] = None  # per profile and rank, from the runs
+        sources["load"] = "per profile and rank, from the rounds' mean step times" if loads else "none (no history)"
+    if overrides.get("load_time_s") is not None:
+        values["load_time_s"], sources["load_time_s"] = float(overrides["load_time_s"]), "cli"
+    elif load_times:
+        values["load_time_s"] = statistics.median(load_times)
+        sources["load_time_s"] = f"lag-1 autocorrelation of the rounds' step times, {len(load_times)} runs"
+    else:
+        values["load_time_s"], sources["load_time_s"] = 0.0, "default"
+    values["seeds"] = int(overrides.get("seeds") or 5)
+    values["emulator_scales_ddp_comm"] = bool(overrides.get("emulator_scales_ddp_comm", False))
+    values["allreduce_s"] = overrides.get("allreduce_s")
+    values["ddp_overhead_s"] = None
+    if overrides.get("ddp_overhead_s") is not None:
+        values["ddp_overhead_s"], sources["ddp_overhead_s"] = float(overrides["ddp_overhead_s"]), "cli"
+    else:
+        homogeneous = _results_profiles(results).get("homogeneous")
+        measured = _number(_configs(homogeneous).get("ddp", {}).get("median_train_wall_s"))
+        if measured:
+            base = validation_inputs(results, "homogeneous", {**values, "ddp_overhead_s": 0.0}, config="ddp")
+            per_rank = base.total_units / len(base.step_times)
+            values["ddp_overhead_s"] = max(0.0, (measured - predict(base, "ddp")["train_s"]) / per_rank)
+            sources["ddp_overhead_s"] = "fit to the homogeneous ddp runs"
+        else:
+            sources["ddp_overhead_s"] = "fit to each profile's own ddp runs (no homogeneous profile): not a prediction"
+    values["sources"] = sources
+    return values
+
+
+def _constant_profiles(results: Mapping[str, Any]) -> list[str]:
+    out = []
+    for profile in _results_profiles(results):
+        try:
+            if not _is_time_varying(_profile_spec(results, profile)):
+                out.append(profile)
+        except ValueError:
+            continue
+    return out
+
+
+def _step_time_model(results: Mapping[str, Any], batch: int) -> tuple[float, float] | None:
+    """``t(k) = a + b (k - 1)``: step time of a ``k``x rank, least squares over the constant profiles' ranks."""
+    ks, ts = [], []
+    for profile, summary in _results_profiles(results).items():
+        try:
+            spec = _profile_spec(results, profile)
+        except ValueError:
+            continue
+        if _is_time_varying(spec):
+            continue
+        runs = [r for name, c in _configs(summary).items() if name != "ddp" for r in _runs(c)]
+        times = _elementwise_median([run_step_times(r, batch) for r in runs])
+        if times:
+            ks += list(parse_slowdown(spec, len(times), at_s=0.0))
+            ts += list(times)
+    if len(set(ks)) < 2:
+        return None
+    b, a = np.polyfit(np.asarray(ks) - 1.0, np.asarray(ts), 1)
+    return float(a), float(b)
 
 
 def validation_inputs(
-    results: Mapping[str, Any], overrides: Mapping[str, Any], default_slowdown: str = "1:3"
+    results: Mapping[str, Any],
+    profile: str,
+    machine: Mapping[str, Any] | None = None,
+    config: str | None = None,
 ) -> ValidationInputs:
-    """Merge inputs: command line (``overrides``) over the results JSON over the dev-box defaults.
+    """Inputs of one configuration of one profile (``machine``: :func:`machine_inputs`, computed if absent).
 
-    Optional JSON fields (looked up per run, then per strategy, then in a top-level ``setup`` dict):
-    ``step_time_s`` (a number: the unslowed step time; a list: per-rank step times as run), ``allreduce_s``,
-    ``ddp_overhead_s``, ``noop_s``, ``epoch_overhead_s``, ``slowdown`` (``"1:3"``), ``batch_size``.
+    Step times and all-reduce cost: the configuration's own round histories (local SGD, oscars), else the
+    median over the profile's local SGD / oscars runs (ddp), else the machine-wide all-reduce. A time-varying
+    profile (``volatile``) takes its step times from ``t(k) = a + b (k - 1)`` fitted on the constant profiles.
     """
-    oscars = next((v for k, v in results.items() if k.startswith("oscars") and isinstance(v, Mapping)), {})
-    ddp = results.get("ddp", {}) if isinstance(results.get("ddp"), Mapping) else {}
-    setup = results.get("setup", {}) if isinstance(results.get("setup"), Mapping) else {}
-    everywhere = [oscars, ddp, setup]
-    sources: dict[str, str] = {}
-
-    def pick(key: str, json_names: Sequence[str], default: Any, where: Sequence[Mapping[str, Any]]) -> Any:
-        if overrides.get(key) is not None:
-            sources[key] = "cli"
-            return overrides[key]
-        value = _lookup(where, json_names)
-        if value is not None:
-            sources[key] = "json"
-            return value
-        sources[key] = "default"
-        return default
-
-    raw_times = pick("step_times", ["step_time_s", "step_times_s"], DEV_BOX_STEP_S, [oscars, setup, ddp])
-    n = len(raw_times) if isinstance(raw_times, (list, tuple)) else 2
-    slowdown = parse_slowdown(pick("slowdown", ["slowdown"], default_slowdown, everywhere), n)
-    if isinstance(raw_times, (list, tuple)):
-        step_times = tuple(float(t) for t in raw_times)
+    machine = dict(machine) if machine is not None else machine_inputs(results)
+    batch = int(machine.get("batch_size") or 64)
+    sources = dict(machine.get("sources", {}))
+    spec = _profile_spec(results, profile)
+    configs = _configs(_results_profiles(results).get(profile))
+    pooled = [r for name, c in configs.items() if name != "ddp" for r in _runs(c)]
+    own = _runs(configs.get(config)) if config and config != "ddp" else []
+    events: tuple[tuple[int, float, float], ...] = ()
+    if _is_time_varying(spec):
+        model = _step_time_model(results, batch)
+        if model is None:
+            raise ValueError(f"profile {profile!r} varies in time and no constant profiles give t(k)")
+        a, b = model
+        n = 2
+        factors = parse_slowdown(spec, n, at_s=0.0)
+        times: tuple[float, ...] | None = tuple(a + b * (k - 1.0) for k in factors)
+        events = tuple(
+            (rank, start, a + b * (k - 1.0))
+            for rank, entries in parse_profile(spec).items()
+            for start, k in entries
+            if start > 0
+        )
+        sources["step_times"] = f"t(k) = {a * 1e3:.2f} + {b * 1e3:.2f} (k-1) ms, fitted on the constant profiles"
     else:
-        step_times = tuple(float(raw_times) * k for k in slowdown)
-    measured = _measured(oscars or ddp)
-    startups = _measured(oscars)["startups"] + _measured(ddp)["startups"]
-    startup_default = statistics.median(startups) if startups else 0.0
-    return ValidationInputs(
-        step_times=step_times,
-        slowdown=slowdown,
-        allreduce_s=float(pick("allreduce_s", ["allreduce_s", "allreduce_time_s"], DEV_BOX_ALLREDUCE_S, everywhere)),
-        emulator_scales_ddp_comm=bool(overrides.get("emulator_scales_ddp_comm", True)),
-        ddp_overhead_s=float(
-            pick("ddp_overhead_s", ["ddp_overhead_s", "ddp_allreduce_s"], DEV_BOX_DDP_OVERHEAD_S, [ddp, setup])
-        ),
-        noop_s=float(pick("noop_s", ["noop_s"], DEV_BOX_NOOP_S, everywhere)),
-        epoch_overhead_s=float(pick("epoch_overhead_s", ["epoch_overhead_s"], DEV_BOX_EPOCH_OVERHEAD_S, everywhere)),
-        startup_s=float(pick("startup_s", ["startup_s"], startup_default, everywhere)),
-        samples=int(measured["samples"] or 65536),
-        batch_size=int(pick("batch_size", ["batch_size"], 64, everywhere)),
-        epochs=int(measured["epochs"] or 4),
-        noise=float(overrides.get("noise") or 0.0) if overrides.get("noise") is not None else 0.1,
-        seeds=int(overrides.get("seeds") or 5),
+        times = _elementwise_median([run_step_times(r, batch) for r in own])
+        sources["step_times"] = "own runs"
+        if times is None:
+            times = _elementwise_median([run_step_times(r, batch) for r in pooled])
+            sources["step_times"] = "profile's local SGD / oscars runs"
+        if times is None:
+            raise ValueError(f"profile {profile!r}: no local SGD / oscars run gives step times")
+        factors = parse_slowdown(spec, len(times), at_s=0.0)
+    noise = float(machine.get("noise", 0.1))
+    if machine.get("load") is not None:
+        load: tuple[float, ...] = (float(machine["load"]),) * len(times)
+    else:
+        constant = profile in _constant_profiles(results)
+        load = (constant and _elementwise_median([(run_load(r, batch, noise) or ([], None))[0] for r in own])) or ()
+        if constant and not load:
+            load = _elementwise_median([(run_load(r, batch, noise) or ([], None))[0] for r in pooled]) or ()
+        if not load:  # time-varying profile, or no history here: the median over every constant profile's ranks
+            every = [
+                (run_load(r, batch, noise) or ([], None))[0]
+                for r in _strategy_runs(results, _constant_profiles(results))
+            ]
+            flat = [x for row in every for x in row]
+            load = (float(statistics.median(flat)),) * len(times) if flat else ()
+    if machine.get("allreduce_s") is not None:
+        allreduce, sources["allreduce_s"] = float(machine["allreduce_s"]), "cli"
+    else:
+        costs = [c for c in (run_allreduce(r) for r in own) if c]
+        sources["allreduce_s"] = "own runs"
+        if not costs:
+            costs = [c for c in (run_allreduce(r) for r in pooled) if c]
+            sources["allreduce_s"] = "profile's local SGD / oscars runs"
+        if not costs:
+            costs = [c for c in (run_allreduce(r) for r in _strategy_runs(results)) if c]
+            sources["allreduce_s"] = "all profiles' runs"
+        if not costs:
+            raise ValueError("no run gives an all-reduce cost; pass --allreduce-s")
+        allreduce = float(statistics.median(costs))
+    inputs = ValidationInputs(
+        profile=profile,
+        spec=spec,
+        step_times=tuple(float(t) for t in times),
+        allreduce_s=allreduce,
+        ddp_overhead_s=0.0,
+        events=events,
+        factors=tuple(factors),
+        noop_s=float(machine.get("noop_s", DEV_BOX_NOOP_S)),
+        round_overhead_s=float(machine.get("round_overhead_s", DEV_BOX_ROUND_OVERHEAD_S)),
+        first_step_s=float(machine.get("first_step_s", 0.0)),
+        epoch_overhead_s=float(machine.get("epoch_overhead_s", 0.0)),
+        load=tuple(float(x) for x in load),
+        load_time_s=float(machine.get("load_time_s") or 0.0),
+        emulator_scales_ddp_comm=bool(machine.get("emulator_scales_ddp_comm", False)),
+        samples=int(machine.get("samples", 65536)),
+        batch_size=batch,
+        epochs=int(machine.get("epochs", 4)),
+        val_check_interval=machine.get("val_check_interval", 0.25),
+        noise=noise,
+        seeds=int(machine.get("seeds", 5)),
         sources=sources,
     )
+    overhead = machine.get("ddp_overhead_s")
+    if overhead is None:  # no homogeneous profile: fit this profile's ddp to itself
+        measured = _number(configs.get("ddp", {}).get("median_train_wall_s")) if config == "ddp" else None
+        overhead = 0.0
+        if measured:
+            per_rank = inputs.total_units / len(inputs.step_times)
+            overhead = max(0.0, (measured - predict(inputs, "ddp")["train_s"]) / per_rank)
+    return replace(inputs, ddp_overhead_s=float(overhead))
+
+
+def simulate_config(
+    inputs: ValidationInputs, paradigm: str, seed: int = 0, record_batch_size: int | None = None
+) -> SimResult:
+    """One simulated run of the 2-rank benchmark: ``paradigm`` is ddp, local_sgd, oscars or oscars_alg1.
+
+    ddp's per-step overhead is part of every rank's step (no separate cost); local SGD and oscars run on the
+    strategy's epoch plan with forced averagings at validation and ``round_overhead_s`` per averaging.
+    """
+    common: dict[str, Any] = {
+        "units_per_epoch": inputs.units_per_epoch,
+        "epoch_overhead_s": inputs.epoch_overhead_s,
+        "first_step_s": inputs.first_step_s,
+        "val_check_interval": inputs.val_check_interval,
+        "record_batch_size": record_batch_size,
+        "seed": seed,
+    }
+    cluster = inputs.cluster(paradigm)
+    total = inputs.total_units
+    if paradigm == "ddp":
+        return simulate_bsp(cluster, total, allreduce_s=0.0, **common)
+    common["round_overhead_s"] = inputs.round_overhead_s
+    if paradigm == "local_sgd":
+        return simulate_local_sgd(
+            cluster, total, allreduce_s=inputs.allreduce_s, period=inputs.local_sgd_steps, **common
+        )
+    if paradigm in ("oscars", "oscars_alg1"):
+        policy = OscarsPolicy(solver="alg1" if paradigm == "oscars_alg1" else "exact", name=paradigm)
+        return simulate_oscars(cluster, total, allreduce_s=inputs.allreduce_s, policy=policy, **common)
+    raise ValueError(f"unknown paradigm {paradigm!r}")
 
 
 def predict(inputs: ValidationInputs, paradigm: str) -> dict[str, Any]:
-    """Mean over ``inputs.seeds`` simulated runs of one paradigm on the 2-rank benchmark."""
-    total = inputs.samples // inputs.batch_size
-    common: dict[str, Any] = {"units_per_epoch": inputs.units_per_epoch, "epoch_overhead_s": inputs.epoch_overhead_s}
-    runs = []
-    for seed in range(inputs.seeds):
-        if paradigm == "ddp":
-            # The overhead is part of every rank's step (and scaled by the emulator), so no separate cost.
-            cluster = Cluster(inputs.ddp_step_times(), noise=inputs.noise)
-            runs.append(simulate_bsp(cluster, total, allreduce_s=0.0, seed=seed, **common))
-        else:
-            cluster = Cluster(inputs.step_times, noise=inputs.noise, noop_s=inputs.noop_s)
-            runs.append(
-                simulate_oscars(
-                    cluster,
-                    total,
-                    allreduce_s=inputs.allreduce_s,
-                    seed=seed,
-                    first_epoch_slots=inputs.units_per_epoch,
-                    **common,
-                )
-            )
+    """Mean over ``inputs.seeds`` simulated runs of ``paradigm`` (ddp, local_sgd, oscars, oscars_alg1)."""
+    runs = [simulate_config(inputs, paradigm, seed) for seed in range(inputs.seeds)]
     train = statistics.mean(r.wall_s for r in runs)
     return {
         "train_s": train,
-        "wall_s": train + inputs.startup_s,
-        "samples_per_s": inputs.samples / (train + inputs.startup_s),
-        "train_samples_per_s": inputs.samples / train,
-        "epoch_end_s": [statistics.mean(col) for col in zip(*(r.epoch_end_s for r in runs))],
+        "samples_per_s": inputs.samples / train,
+        "rounds": statistics.mean(r.rounds for r in runs),
         "utilization": statistics.mean(r.utilization for r in runs),
         "round_utilization": statistics.mean(r.round_utilization for r in runs),
-        "final_local_steps": [list(r.final_local_steps or ()) for r in runs],
+        "final_local_steps": [list(s) for s in dict.fromkeys(r.final_local_steps for r in runs if r.final_local_steps)],
     }
-
-
-def _epoch_split(ends: Sequence[float] | None) -> tuple[float | None, float | None]:
-    """First epoch's seconds and the mean of the later ones: start-up transients vs the steady state."""
-    if not ends:
-        return None, None
-    later = [b - a for a, b in zip(ends[:-1], ends[1:])]
-    return float(ends[0]), (statistics.mean(later) if later else None)
 
 
 def _rel(predicted: float | None, measured: float | None) -> float | None:
@@ -819,81 +1425,142 @@ def _rel(predicted: float | None, measured: float | None) -> float | None:
     return predicted / measured - 1.0
 
 
+def _measured(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The measured figures of one configuration (medians over runs); missing fields become None."""
+    runs = _runs(config)
+    walls = [w for w in (_number(r.get("train_wall_s")) for r in runs) if w]
+    rates = [x for x in (_number(r.get("samples_per_s")) for r in runs) if x]
+    rounds = [len(_history(r)) or _number(r.get("rounds")) for r in runs]
+    rounds = [x for x in rounds if x]
+    return {
+        "train_s": _number(config.get("median_train_wall_s")) or (statistics.median(walls) if walls else None),
+        "walls": walls,
+        "samples_per_s": _number(config.get("median_samples_per_s")) or (statistics.median(rates) if rates else None),
+        "rounds": statistics.median(rounds) if rounds else None,
+        "schedules": [r.get("schedule") for r in runs if r.get("schedule")],
+    }
+
+
+def _profile_names(results: Mapping[str, Any], wanted: Sequence[str] | None) -> list[str]:
+    names = list(_results_profiles(results))
+    return [p for p in names if p in wanted] if wanted else names
+
+
 def validate_against(results_json_path: str | Path, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Predict the 2-rank benchmark's ddp and oscars figures and compare them with the measured ones.
+    """Predict every profile's ddp, local SGD and oscars train wall and samples/s; compare with the measurements.
 
-    ``overrides`` holds command-line inputs (keys of :class:`ValidationInputs`, ``step_times`` a list); anything
-    absent is read from the JSON if present there, else taken from the dev-box defaults (see ``sources``).
-    Train time is ``on_train_start`` to the end of the last validation (the last ``curve`` point); wall time
-    and samples/s add the constant ``startup_s``.
+    ``overrides``: command-line inputs (keys of :func:`machine_inputs`, ``allreduce_s`` for every profile) and
+    ``profiles`` (a subset to validate). Train wall excludes validation, as the benchmark measures it.
     """
     results = json.loads(Path(results_json_path).read_text())
-    inputs = validation_inputs(results, overrides or {})
-    rows: list[dict[str, Any]] = []
-    for name, paradigm in (("ddp", "ddp"), ("oscars", "oscars")):
-        summary = results.get(name)
-        if not isinstance(summary, Mapping):
-            continue
-        measured = _measured(summary)
-        predicted = predict(inputs, paradigm)
-        for figures in (measured, predicted):
-            figures["first_epoch_s"], figures["steady_epoch_s"] = _epoch_split(figures.get("epoch_end_s"))
-        rows.append(
-            {
-                "strategy": name,
-                "predicted": predicted,
-                "measured": {k: v for k, v in measured.items() if k != "startups"},
-                "error": {
-                    "train_s": _rel(predicted["train_s"], measured["train_s"]),
-                    "wall_s": _rel(predicted["wall_s"], measured["wall_s"]),
-                    "samples_per_s": _rel(predicted["samples_per_s"], measured["samples_per_s"]),
-                    "utilization": _rel(predicted["round_utilization"], measured["mean_utilization"]),
-                    "first_epoch_s": _rel(predicted["first_epoch_s"], measured["first_epoch_s"]),
-                    "steady_epoch_s": _rel(predicted["steady_epoch_s"], measured["steady_epoch_s"]),
-                },
-            }
-        )
-    speedups = {}
-    by_name: dict[str, dict[str, Any]] = {r["strategy"]: r for r in rows}
-    if "ddp" in by_name and "oscars" in by_name:
-        for key in ("train_s", "wall_s"):
-            p = by_name["ddp"]["predicted"][key] / by_name["oscars"]["predicted"][key]
-            m_d, m_o = by_name["ddp"]["measured"][key], by_name["oscars"]["measured"][key]
-            m = m_d / m_o if m_d and m_o else None
-            speedups[key] = {"predicted": p, "measured": m, "error": _rel(p, m)}
-    inputs_out = {k: getattr(inputs, k) for k in inputs.__dataclass_fields__ if k != "sources"}
-    inputs_out["ddp_step_times"] = inputs.ddp_step_times()
-    return {"inputs": inputs_out, "sources": dict(inputs.sources), "rows": rows, "speedup_vs_ddp": speedups}
+    overrides = dict(overrides or {})
+    machine = machine_inputs(results, overrides)
+    out: dict[str, Any] = {
+        "machine": {k: v for k, v in machine.items() if k != "sources"},
+        "sources": machine["sources"],
+    }
+    out["profiles"] = {}
+    for profile in _profile_names(results, overrides.get("profiles")):
+        configs = _configs(_results_profiles(results)[profile])
+        rows = []
+        for name, paradigm in CONFIG_PARADIGMS.items():
+            if name not in configs:
+                continue
+            inputs = validation_inputs(results, profile, machine, config=name)
+            predicted = predict(inputs, paradigm)
+            measured = _measured(configs[name])
+            rows.append(
+                {
+                    "config": name,
+                    "paradigm": paradigm,
+                    "inputs": {
+                        "step_times": list(inputs.step_times),
+                        "allreduce_s": inputs.allreduce_s,
+                        "ddp_overhead_s": inputs.ddp_overhead_s,
+                        "events": [list(e) for e in inputs.events],
+                        "sources": {k: inputs.sources[k] for k in ("step_times", "allreduce_s")},
+                    },
+                    "predicted": predicted,
+                    "measured": measured,
+                    "error": {
+                        "train_s": _rel(predicted["train_s"], measured["train_s"]),
+                        "samples_per_s": _rel(predicted["samples_per_s"], measured["samples_per_s"]),
+                        "rounds": _rel(predicted["rounds"], measured["rounds"]) if paradigm != "ddp" else None,
+                    },
+                }
+            )
+        by_name = {r["config"]: r for r in rows}
+        speedups = {}
+        for name in ("local_sgd", "oscars-exact-uniform"):
+            if "ddp" in by_name and name in by_name:
+                p = by_name["ddp"]["predicted"]["train_s"] / by_name[name]["predicted"]["train_s"]
+                m_d, m_o = by_name["ddp"]["measured"]["train_s"], by_name[name]["measured"]["train_s"]
+                m = m_d / m_o if m_d and m_o else None
+                speedups[name] = {"predicted": p, "measured": m, "error": _rel(p, m)}
+        out["profiles"][profile] = {"spec": _profile_spec(results, profile), "rows": rows, "speedup_vs_ddp": speedups}
+    errors = [
+        abs(r["error"]["train_s"])
+        for p in out["profiles"].values()
+        for r in p["rows"]
+        if r["error"]["train_s"] is not None and not (r["paradigm"] == "ddp" and _ddp_is_fit(out, p))
+    ]
+    out["max_abs_train_error"] = max(errors) if errors else None
+    return out
 
 
-def sensitivity(results_json_path: str | Path, overrides: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Train-time error of ddp and oscars when one input moves: how much the agreement owes to each input.
+def _ddp_is_fit(report: Mapping[str, Any], profile_report: Mapping[str, Any]) -> bool:
+    """ddp's row is a fit, not a prediction: on the homogeneous profile, or everywhere without one."""
+    source = report["sources"].get("ddp_overhead_s", "")
+    if source.startswith("fit to each profile"):
+        return True
+    return source.startswith("fit to the homogeneous") and profile_report.get("spec") == ""
 
-    Why: several inputs (no-op slot cost, step time under contention) were measured on a shared 2-vCPU box;
-    an error that flips sign within their plausible range says the inputs, not the model, limit the check.
+
+def sensitivity(
+    results_json_path: str | Path, overrides: Mapping[str, Any] | None = None, profile: str | None = None
+) -> dict[str, Any]:
+    """Train-wall error of ddp, local SGD and oscars on one profile when one input moves.
+
+    Why: the inputs were measured on a shared 2-vCPU box; an error that flips sign within their plausible range
+    says the inputs, not the model, limit the check.
     """
     results = json.loads(Path(results_json_path).read_text())
-    base = dict(overrides or {})
-    inputs = validation_inputs(results, base)
-    measured = {name: _measured(results[name])["train_s"] for name in ("ddp", "oscars") if name in results}
-    unslowed = inputs.step_times[0] / inputs.slowdown[0]
-    variants: list[tuple[str, dict[str, Any]]] = [("as above", {})]
-    variants += [(f"no-op slot {x * 1e3:.1f} ms", {"noop_s": x}) for x in (0.0, 0.6e-3, 1.7e-3)]
-    variants += [(f"step time x{f}", {"step_times": [t * f for t in inputs.step_times]}) for f in (0.9, 1.1)]
-    variants += [
-        ("slow rank 3.3x", {"step_times": [unslowed * (3.3 if k > 1 else k) for k in inputs.slowdown]}),
-        (f"all-reduce x2 ({2e3 * inputs.allreduce_s:.1f} ms)", {"allreduce_s": 2 * inputs.allreduce_s}),
-        ("epoch overhead 0", {"epoch_overhead_s": 0.0}),
+    overrides = dict(overrides or {})
+    names = _profile_names(results, overrides.get("profiles"))
+    if profile is None:
+        profile = next((p for p in ("1x/3x", "1x/5x", "1x/2x") if p in names), names[0] if names else None)
+    if profile is None:
+        return {"profile": None, "rows": []}
+    machine = machine_inputs(results, overrides)
+    configs = _configs(_results_profiles(results)[profile])
+    chosen = [c for c in ("ddp", "local_sgd", "oscars-exact-uniform") if c in configs]
+    base = {c: validation_inputs(results, profile, machine, config=c) for c in chosen}
+    measured = {c: _measured(configs[c])["train_s"] for c in chosen}
+    noop, over = base[chosen[0]].noop_s, base[chosen[0]].round_overhead_s
+    variants: list[tuple[str, Callable[[ValidationInputs], ValidationInputs]]] = [
+        ("as above", lambda i: i),
+        ("no-op slot 0", lambda i: replace(i, noop_s=0.0)),
+        (f"no-op slot x2 ({2e3 * noop:.2f} ms)", lambda i: replace(i, noop_s=2 * i.noop_s)),
+        ("round overhead 0", lambda i: replace(i, round_overhead_s=0.0)),
+        (f"round overhead x2 ({2e3 * over:.2f} ms)", lambda i: replace(i, round_overhead_s=2 * i.round_overhead_s)),
+        ("step times x0.9", lambda i: i.scaled(step=0.9)),
+        ("step times x1.1", lambda i: i.scaled(step=1.1)),
+        ("all-reduce x2", lambda i: i.scaled(allreduce=2.0)),
+        ("start-up transient 0", lambda i: replace(i, first_step_s=0.0)),
+        ("epoch turnover +0.05 s", lambda i: replace(i, epoch_overhead_s=i.epoch_overhead_s + 0.05)),
+        ("load 0", lambda i: replace(i, load=())),
+        ("noise sigma 0", lambda i: replace(i, noise=0.0)),
+        ("noise sigma 0.2", lambda i: replace(i, noise=0.2)),
+        ("ddp overhead x0.5", lambda i: replace(i, ddp_overhead_s=0.5 * i.ddp_overhead_s)),
+        ("ddp overhead x1.5", lambda i: replace(i, ddp_overhead_s=1.5 * i.ddp_overhead_s)),
     ]
     rows = []
     for label, change in variants:
-        varied = validation_inputs(results, {**base, **change})
         row: dict[str, Any] = {"variant": label}
-        for name, paradigm in (("ddp", "ddp"), ("oscars", "oscars")):
-            if name in measured:
-                row[name] = _rel(predict(varied, paradigm)["train_s"], measured[name])
+        for c in chosen:
+            row[c] = _rel(predict(change(base[c]), CONFIG_PARADIGMS[c])["train_s"], measured[c])
         rows.append(row)
-    return rows
+    return {"profile": profile, "configs": chosen, "rows": rows}
 
 
 # ---------------------------------------------------------------------------------------------- reports
@@ -907,59 +1574,103 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def _ms(times: Sequence[float]) -> str:
+    return "/".join(f"{1e3 * t:.2f}" for t in times)
+
+
 def validation_markdown(report: Mapping[str, Any]) -> list[str]:
-    """The validation table: predicted vs measured per strategy and the relative error."""
-    inp = report["inputs"]
+    """Machine inputs, a summary of train-wall errors, then one table per profile."""
+    m, src = report["machine"], report["sources"]
+    ddp_ov = m.get("ddp_overhead_s")
     lines = [
         "## Validation against the 2-rank benchmark",
         "",
-        f"Inputs: step times {[round(t * 1e3, 2) for t in inp['step_times']]} ms (ddp steps "
-        f"{[round(t * 1e3, 2) for t in inp['ddp_step_times']]} ms), averaging all-reduce "
-        f"{inp['allreduce_s'] * 1e3:.2f} ms, no-op slot {inp['noop_s'] * 1e3:.2f} ms, epoch overhead "
-        f"{inp['epoch_overhead_s']:.3f} s, startup {inp['startup_s']:.2f} s, noise sigma {inp['noise']}, "
-        f"{inp['seeds']} seeds. Sources: " + ", ".join(f"{k}={v}" for k, v in report["sources"].items()) + ".",
+        f"Machine inputs (every profile): no-op slot {m['noop_s'] * 1e3:.2f} ms, per-averaging overhead "
+        f"{m['round_overhead_s'] * 1e3:.2f} ms, start-up transient {m['first_step_s']:.3f} s, epoch turnover "
+        f"{m['epoch_overhead_s']:.3f} s, ddp per-step overhead "
+        + ("fitted per profile" if ddp_ov is None else f"{ddp_ov * 1e3:.2f} ms")
+        + f"; per-step noise sigma {m['noise']}, {m['seeds']} seeds per prediction; {m['samples']} samples, "
+        f"{m['epochs']} epochs, batch {m['batch_size']}, validation every {_num(m['val_check_interval'])} epoch "
+        "(excluded from train wall, its forced averagings simulated). Sources: "
+        + "; ".join(f"{k}: {v}" for k, v in src.items())
+        + ". Step times and all-reduce per configuration: its own round histories (ddp: the profile's local SGD /"
+        " oscars runs). Train wall = training time without validation, from after the start-up calibration.",
         "",
-        "| strategy | quantity | predicted | measured | error |",
-        "|---|---|---:|---:|---:|",
     ]
-    for row in report["rows"]:
-        p, m, e = row["predicted"], row["measured"], row["error"]
+    configs = [c for c in CONFIG_PARADIGMS if any(c in _row_names(p) for p in report["profiles"].values())]
+    err = report.get("max_abs_train_error")
+    lines += [
+        "Train-wall error per profile (predicted / measured - 1; `fit` = ddp fitted there, not predicted). "
+        f"Largest |error| of the predictions: {_pct(err).lstrip('+')} (target 15%).",
+        "",
+        "| profile | " + " | ".join(configs) + " | oscars/ddp speed-up predicted (measured) |",
+        "|---|" + "---:|" * len(configs) + "---:|",
+    ]
+    for profile, p in report["profiles"].items():
+        rows = {r["config"]: r for r in p["rows"]}
+        cells = []
+        for c in configs:
+            if c not in rows:
+                cells.append("-")
+                continue
+            text = _pct(rows[c]["error"]["train_s"])
+            cells.append(text + (" fit" if c == "ddp" and _ddp_is_fit(report, p) else ""))
+        s = p["speedup_vs_ddp"].get("oscars-exact-uniform")
+        speed = f"{s['predicted']:.2f}x ({_num(s['measured'])}x)" if s else "-"
+        lines.append(f"| {profile} | " + " | ".join(cells) + f" | {speed} |")
+    for profile, p in report["profiles"].items():
         lines += [
-            f"| {row['strategy']} | train s (fit start to last validation) | {p['train_s']:.2f} | "
-            f"{_num(m['train_s'])} | {_pct(e['train_s'])} |",
-            f"| {row['strategy']} | first epoch s | {_num(p['first_epoch_s'])} | {_num(m['first_epoch_s'])} | "
-            f"{_pct(e['first_epoch_s'])} |",
-            f"| {row['strategy']} | later epochs s (mean) | {_num(p['steady_epoch_s'])} | "
-            f"{_num(m['steady_epoch_s'])} | {_pct(e['steady_epoch_s'])} |",
-            f"| {row['strategy']} | wall s | {p['wall_s']:.2f} | {_num(m['wall_s'])} | {_pct(e['wall_s'])} |",
-            f"| {row['strategy']} | samples/s | {p['samples_per_s']:.0f} | {_num(m['samples_per_s'], '.0f')} | "
-            f"{_pct(e['samples_per_s'])} |",
+            "",
+            f"### {profile} (`{p['spec'] or 'equal speeds'}`)",
+            "",
+            "| config | step times ms | all-reduce ms | train s predicted | train s measured (runs) | error | "
+            "samples/s predicted | measured | error | averagings predicted | measured | final tau predicted | "
+            "measured |",
+            "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
         ]
-        if row["strategy"] != "ddp":
+        for r in p["rows"]:
+            pr, me, er, inp = r["predicted"], r["measured"], r["error"], r["inputs"]
+            steps = _ms(inp["step_times"])
+            if inp["events"]:
+                steps += " then " + ", ".join(f"r{rank}: {1e3 * t:.2f} at {s:g} s" for rank, s, t in inp["events"])
+            if r["paradigm"] == "ddp":
+                steps += f" + {inp['ddp_overhead_s'] * 1e3:.2f}"
+            walls = ", ".join(f"{w:.2f}" for w in me["walls"])
+            is_ddp = r["paradigm"] == "ddp"
+            cost = "-" if is_ddp else f"{inp['allreduce_s'] * 1e3:.2f}"
+            rounds = "-" if is_ddp else f"{pr['rounds']:.0f}"
+            measured_rounds = "-" if is_ddp else _num(me["rounds"], ".0f")
             lines.append(
-                f"| {row['strategy']} | round utilisation | {p['round_utilization']:.3f} | "
-                f"{_num(m['mean_utilization'], '.3f')} | {_pct(e['utilization'])} |"
+                f"| {r['config']} | {steps} | {cost} | {pr['train_s']:.2f} | {_num(me['train_s'])} ({walls}) | "
+                f"{_pct(er['train_s'])} | {pr['samples_per_s']:.0f} | {_num(me['samples_per_s'], '.0f')} | "
+                f"{_pct(er['samples_per_s'])} | {rounds} | {measured_rounds} | {_tau_list(pr['final_local_steps'])} | "
+                f"{_tau_list(me['schedules'])} |"
             )
-            lines.append(
-                f"| {row['strategy']} | final local steps | {p['final_local_steps'][0]} | {m['schedules']} | |"
-            )
-    for key, s in report["speedup_vs_ddp"].items():
-        lines.append(
-            f"| oscars/ddp | speed-up ({key}) | {s['predicted']:.2f}x | {_num(s['measured'])}x | {_pct(s['error'])} |"
-        )
     return lines
 
 
-def sensitivity_markdown(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Train-time error per input variant (see :func:`sensitivity`)."""
+def _row_names(profile_report: Mapping[str, Any]) -> set[str]:
+    return {r["config"] for r in profile_report["rows"]}
+
+
+def _tau_list(schedules: Sequence[Any]) -> str:
+    distinct = list(dict.fromkeys(tuple(s) for s in schedules if s))
+    return " ".join(str(list(s)) for s in distinct) if distinct else "-"
+
+
+def sensitivity_markdown(sens: Mapping[str, Any]) -> list[str]:
+    """Train-wall error per input variant (see :func:`sensitivity`)."""
+    if not sens.get("rows"):
+        return []
+    configs = sens["configs"]
     lines = [
-        "Sensitivity: train-time error when one input changes.",
+        f"Sensitivity ({sens['profile']}): train-wall error when one input changes.",
         "",
-        "| variant | ddp | oscars |",
-        "|---|---:|---:|",
+        "| variant | " + " | ".join(configs) + " |",
+        "|---|" + "---:|" * len(configs),
     ]
-    for r in rows:
-        lines.append(f"| {r['variant']} | {_pct(r.get('ddp'))} | {_pct(r.get('oscars'))} |")
+    for r in sens["rows"]:
+        lines.append(f"| {r['variant']} | " + " | ".join(_pct(r.get(c)) for c in configs) + " |")
     return lines
 
 
@@ -1056,16 +1767,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--validate", metavar="JSON", help="results of benchmarks.heterogeneous to validate against")
-    v = p.add_argument_group("validation inputs (override the JSON and the dev-box defaults)")
-    v.add_argument("--step-times", type=_floats, help="per-rank seconds per step as run, e.g. 0.0034,0.0101")
-    v.add_argument("--step-time", type=float, help="unslowed seconds per step; rank i gets it x its slowdown")
-    v.add_argument("--slowdown", help="emulated factors as benchmarks.train_job takes them (default 1:3)")
-    v.add_argument("--allreduce-s", type=float, help="seconds of one oscars averaging all-reduce")
-    v.add_argument("--ddp-overhead-s", type=float, help="seconds a DDP step adds over a local step at 1x")
-    v.add_argument("--no-emulated-ddp-comm", action="store_true", help="the emulator does not scale DDP's comm")
-    v.add_argument("--noop-s", type=float, help="seconds of one no-op slot (any rank)")
-    v.add_argument("--epoch-overhead-s", type=float, help="validation + epoch turnover seconds per epoch")
-    v.add_argument("--startup-s", type=float, help="fit seconds outside the training loop")
+    v = p.add_argument_group("validation inputs (override what the results JSON gives)")
+    v.add_argument("--profiles", help="comma-separated subset of the JSON's profiles (default: all)")
+    v.add_argument("--allreduce-s", type=float, help="seconds of one oscars averaging all-reduce (every profile)")
+    v.add_argument("--ddp-overhead-s", type=float, help="seconds a DDP step adds over the local step")
+    v.add_argument(
+        "--emulated-ddp-comm",
+        action="store_true",
+        help="results of the old emulator, which slowed DDP's in-step all-reduce down by k on a k-times rank",
+    )
+    v.add_argument("--noop-s", type=float, help="seconds of one no-op slot")
+    v.add_argument("--round-overhead-s", type=float, help="bookkeeping seconds per averaging beyond the all-reduce")
+    v.add_argument("--first-step-s", type=float, help="start-up transient added to every rank's first step")
+    v.add_argument("--epoch-overhead-s", type=float, help="epoch turnover seconds (validation is excluded)")
     v.add_argument("--batch-size", type=int)
     v.add_argument("--val-noise", type=float, default=0.1, help="per-step lognormal sigma in the validation")
     v.add_argument("--val-seeds", type=int, default=5)
@@ -1090,25 +1804,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {}
     lines = ["# Cluster simulator (benchmarks/simulator.py)", ""]
     if a.validate:
-        step_times = a.step_times if a.step_times is not None else a.step_time
+        started = time.perf_counter()
         overrides = {
-            "step_times": step_times,
-            "slowdown": a.slowdown,
+            "profiles": [x for x in a.profiles.split(",") if x] if a.profiles else None,
             "allreduce_s": a.allreduce_s,
             "ddp_overhead_s": a.ddp_overhead_s,
             "noop_s": a.noop_s,
+            "round_overhead_s": a.round_overhead_s,
+            "first_step_s": a.first_step_s,
             "epoch_overhead_s": a.epoch_overhead_s,
-            "startup_s": a.startup_s,
             "batch_size": a.batch_size,
             "noise": a.val_noise,
             "seeds": a.val_seeds,
-            "emulator_scales_ddp_comm": not a.no_emulated_ddp_comm,
+            "emulator_scales_ddp_comm": a.emulated_ddp_comm,
         }
         report["validation"] = validate_against(a.validate, overrides)
         report["validation"]["sensitivity"] = sensitivity(a.validate, overrides)
-        text = (
-            validation_markdown(report["validation"]) + [""] + sensitivity_markdown(report["validation"]["sensitivity"])
-        )
+        elapsed = time.perf_counter() - started
+        report["validation"]["seconds"] = elapsed
+        text = validation_markdown(report["validation"]) + [""]
+        text += sensitivity_markdown(report["validation"]["sensitivity"])
+        text += ["", f"Validation simulated in {elapsed:.1f} s."]
         lines += text + [""]
         print("\n".join(text), flush=True)
     if not a.no_study:

@@ -1,8 +1,19 @@
-"""The benchmark's learnable task: a 10-class problem with nonlinear class structure, made by the project
-(no downloads), and an MLP sized so a step costs a few milliseconds on one CPU core."""
+"""The benchmarks' learnable task and how they emulate slow ranks.
+
+The task: 10 classes with 4 Gaussian modes each in 32 dimensions (not linearly separable, noisy enough that
+accuracy stays informative: a few percent of samples are ambiguous), made by the project, no downloads.
+The model: an MLP with BatchNorm, sized so one step costs a few milliseconds on one CPU core.
+
+Slow ranks: at the start of training every rank times a few pure-compute steps (forward, backward, SGD) on a
+copy of the model, with no communication, giving its solo step time ``t``. A rank emulated ``k`` times
+slower then sleeps ``(k - 1) * t`` in every real training step. Unlike sleeping in proportion to the
+measured batch time, this does not also slow down ddp's in-step gradient all-reduce, so every strategy
+faces the same cluster: one GPU ``k`` times slower on the same network.
+"""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -11,18 +22,47 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
-def make_dataset(n: int, seed: int, dim: int = 32, classes: int = 10) -> TensorDataset:
+def make_dataset(n: int, seed: int, dim: int = 32, classes: int = 10, noise: float = 1.6) -> TensorDataset:
     g = torch.Generator().manual_seed(1234)  # the task itself is fixed; `seed` draws the samples
     centers = torch.randn(classes, 4, dim, generator=g) * 1.5  # 4 modes per class: not linearly separable
     s = torch.Generator().manual_seed(seed)
     y = torch.randint(0, classes, (n,), generator=s)
     mode = torch.randint(0, 4, (n,), generator=s)
-    x = centers[y, mode] + torch.randn(n, dim, generator=s) * 1.0
+    x = centers[y, mode] + torch.randn(n, dim, generator=s) * noise
     return TensorDataset(x, y)
 
 
+def parse_profile(text: str) -> dict[int, list[tuple[float, float]]]:
+    """``'1:3'``: rank 1 always 3x; ``'1:3@0,1@4;0:1@0,3@4'``: ranks 0 and 1 swap speeds after 4 s."""
+    out: dict[int, list[tuple[float, float]]] = {}
+    for part in filter(None, text.split(";")):
+        rank, spec = part.split(":")
+        steps = []
+        for item in spec.split(","):
+            factor, _, start = item.partition("@")
+            steps.append((float(start or 0.0), float(factor)))
+        out[int(rank)] = sorted(steps)
+    return out
+
+
+def factor_at(profile: dict[int, list[tuple[float, float]]], rank: int, elapsed: float) -> float:
+    factor = 1.0
+    for start, value in profile.get(rank, []):
+        if elapsed >= start:
+            factor = value
+    return factor
+
+
 class BenchModule(LightningModule):
-    def __init__(self, lr: float = 0.05, batch_size: int = 64, n_train: int = 16384, hidden: int = 512) -> None:
+    def __init__(
+        self,
+        lr: float = 0.05,
+        batch_size: int = 64,
+        n_train: int = 16384,
+        hidden: int = 512,
+        noise: float = 1.6,
+        slowdown: str = "",
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(
@@ -33,18 +73,52 @@ class BenchModule(LightningModule):
             nn.ReLU(),
             nn.Linear(hidden, 10),
         )
-        self.val_curve: list[tuple[float, float, float]] = []  # (seconds since fit start, val loss, val acc)
+        self.profile = parse_profile(slowdown)
+        # (training seconds since the start, validation excluded; val loss; val acc)
+        self.val_curve: list[tuple[float, float, float]] = []
+        self.solo_step_s = 0.0  # this rank's pure-compute step time, before any emulated slowdown
+        self.real_steps = 0
+        self.busy_s = 0.0  # emulated compute time: sum over real steps of factor * solo_step_s
+        self.start_factor = 1.0
+        self.cluster: list[dict[str, float]] = []  # every rank's figures, gathered at the end of training
         self._t0 = 0.0
+        self._validation_s = 0.0  # validation time, excluded from the training clock
+        self._val_start = 0.0
 
-    def on_train_start(self) -> None:
-        self._t0 = time.perf_counter()
+    def train_clock(self) -> float:
+        """Seconds of training since the start, validation excluded."""
+        return time.perf_counter() - self._t0 - self._validation_s
 
     def forward(self, x):
         return self.net(x)
 
+    def _calibrate(self, steps: int = 12) -> float:
+        net = copy.deepcopy(self.net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.0)
+        x, y = make_dataset(self.hparams.batch_size, seed=99).tensors
+        timings = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            loss = nn.functional.cross_entropy(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            timings.append(time.perf_counter() - start)
+        return sorted(timings[2:])[len(timings[2:]) // 2]
+
+    def on_train_start(self) -> None:
+        self.solo_step_s = self._calibrate()
+        self.start_factor = factor_at(self.profile, self.global_rank, 0.0)
+        self._t0 = time.perf_counter()
+
     def training_step(self, batch, batch_idx):
         x, y = batch
+        factor = factor_at(self.profile, self.global_rank, self.train_clock())
         loss = nn.functional.cross_entropy(self(x), y)
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * self.solo_step_s)
+        self.real_steps += 1
+        self.busy_s += factor * self.solo_step_s
         self.log("train_loss", loss, on_step=True, on_epoch=False)
         return loss
 
@@ -54,17 +128,31 @@ class BenchModule(LightningModule):
         self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
         self.log("val_acc", (logits.argmax(-1) == y).float().mean(), sync_dist=True)
 
-    def on_validation_epoch_end(self) -> None:
+    def on_validation_start(self) -> None:
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self) -> None:
         if self.trainer.sanity_checking:
             return
+        self._validation_s += time.perf_counter() - self._val_start
         m = self.trainer.callback_metrics
-        self.val_curve.append((time.perf_counter() - self._t0, float(m["val_loss"]), float(m["val_acc"])))
+        self.val_curve.append((self.train_clock(), float(m["val_loss"]), float(m["val_acc"])))
+
+    def on_train_end(self) -> None:
+        wall = self.train_clock()
+        mine = torch.tensor(
+            [self.solo_step_s, self.start_factor, self.real_steps, self.busy_s, wall], dtype=torch.float64
+        )
+        gathered = self.all_gather(mine).reshape(-1, 5)  # outside training_step: allowed under oscars too
+        keys = ("solo_step_s", "start_factor", "real_steps", "busy_s", "wall_s")
+        self.cluster = [dict(zip(keys, row.tolist())) for row in gathered]
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
     def train_dataloader(self):
-        return DataLoader(make_dataset(self.hparams.n_train, seed=0), batch_size=self.hparams.batch_size, shuffle=True)
+        data = make_dataset(self.hparams.n_train, seed=0, noise=self.hparams.noise)
+        return DataLoader(data, batch_size=self.hparams.batch_size, shuffle=True)
 
     def val_dataloader(self):
-        return DataLoader(make_dataset(4096, seed=1), batch_size=512)
+        return DataLoader(make_dataset(4096, seed=1, noise=self.hparams.noise), batch_size=512)

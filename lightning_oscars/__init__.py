@@ -5,6 +5,7 @@ Importing the package registers ``strategy="oscars"`` (and the fixed-period base
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from packaging.version import Version
 
@@ -60,7 +61,7 @@ __all__ = [
     "summarize_history",
 ]
 
-_REGISTERED = {
+_REGISTERED: dict[str, tuple[str, dict[str, Any]]] = {
     "oscars": ("Load-balanced local SGD (Oscars), exact communication-aware solver", {}),
     "oscars_alg1": ("Load-balanced local SGD with the paper's Algorithm 1 solver", {"solver": "alg1"}),
     "local_sgd": ("Fixed-period local SGD: the same local steps on every rank", {"solver": "uniform"}),

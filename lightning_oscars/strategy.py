@@ -69,8 +69,9 @@ _SNAP_TOLERANCE = 0.05
 
 
 class RoundRecord(dict):
-    """One averaging: ``round``, ``epoch``, ``global_step``, ``local_steps``, ``step_times``, ``samples``,
-    ``compute_times``, ``idle_times``, ``utilization``, ``allreduce_time``, ``period`` and ``rebalanced``."""
+    """One averaging: ``round``, ``time`` (seconds since training started), ``epoch``, ``global_step``,
+    ``local_steps``, ``step_times``, ``samples``, ``compute_times``, ``idle_times``, ``utilization``,
+    ``allreduce_time``, ``period`` and ``rebalanced``."""
 
 
 class OscarsStrategy(DDPStrategy):
@@ -140,13 +141,13 @@ class OscarsStrategy(DDPStrategy):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps must be an integer >= 1, got {warmup_steps!r}")
-        for name, value, upper in (
+        for name, number, upper in (
             ("efficiency_tolerance", efficiency_tolerance, 1.0),
             ("rebalance_threshold", rebalance_threshold, math.inf),
             ("min_gain", min_gain, math.inf),
         ):
-            if not isinstance(value, (int, float)) or not (0.0 <= value < upper):
-                raise ValueError(f"{name} must be a number in [0, {upper}), got {value!r}")
+            if not isinstance(number, (int, float)) or not (0.0 <= number < upper):
+                raise ValueError(f"{name} must be a number in [0, {upper}), got {number!r}")
         if not isinstance(smoothing, (int, float)) or not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must lie in (0, 1], got {smoothing!r}")
         if step_times is not None and local_steps is not None:
@@ -184,6 +185,7 @@ class OscarsStrategy(DDPStrategy):
         self._plan_epoch = -1
         self._plan_is_upper_bound = False
         self._replan_pending = False
+        self._fit_started = time.perf_counter()
         self._slot = SlotInfo(True, 0)
         self._in_local_step = False
         self._slots_since_average = 0
@@ -198,6 +200,12 @@ class OscarsStrategy(DDPStrategy):
         self._timers: list[Timer] = []
         self._manual_steps_per_batch = 0
         self._restored: dict[str, Any] | None = getattr(self, "_restored", None)
+
+    @property
+    def _module(self) -> LightningModule:
+        module = self.lightning_module
+        assert module is not None, "the strategy is not connected to a LightningModule yet"
+        return module
 
     @property
     def is_active(self) -> bool:
@@ -261,7 +269,7 @@ class OscarsStrategy(DDPStrategy):
                 "A time-based val_check_interval is decided on each rank's own clock; under oscars use an int"
                 " or float val_check_interval, or strategy='ddp'."
             )
-        if trainer.overfit_batches > 0:
+        if trainer.overfit_batches > 0:  # type: ignore[attr-defined]
             raise ValueError("overfit_batches is not supported by strategy='oscars'; use strategy='ddp'")
         if trainer.max_steps not in (-1, None) and 0 < trainer.max_steps < self.warmup_steps and self._adaptive:
             raise ValueError(
@@ -270,17 +278,16 @@ class OscarsStrategy(DDPStrategy):
             )
         self.schedule = self._initial_schedule()
         self._clock = make_clock(self.root_device)
-        if not any(isinstance(cb, _RoundCallback) for cb in trainer.callbacks):
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(cb, _RoundCallback) for cb in callbacks):
             # Epoch sizing runs first (the progress bar reads the epoch length); the round logic runs after the
             # user's callbacks (their time counts as step time) but before checkpointing (which must see the
             # averaged model).
-            trainer.callbacks.insert(0, _EpochCallback(self))
-            position = next(
-                (i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), len(trainer.callbacks)
-            )
-            trainer.callbacks.insert(position, _RoundCallback(self))
-            if self.monitor and not any(isinstance(cb, ScheduleMonitor) for cb in trainer.callbacks):
-                trainer.callbacks.insert(position + 1, ScheduleMonitor())
+            callbacks.insert(0, _EpochCallback(self))
+            position = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))
+            callbacks.insert(position, _RoundCallback(self))
+            if self.monitor and not any(isinstance(cb, ScheduleMonitor) for cb in callbacks):
+                callbacks.insert(position + 1, ScheduleMonitor())
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -296,7 +303,7 @@ class OscarsStrategy(DDPStrategy):
                 f"strategy='oscars' needs a torch DataLoader for training, got {type(dataloader).__name__}"
             )
         if isinstance(trainer.fit_loop._data_fetcher, _DataLoaderIterDataFetcher) or _takes_dataloader_iter(
-            self.lightning_module
+            self._module
         ):
             raise ValueError("training_step(dataloader_iter) is not supported by strategy='oscars'")
         sampler = dataloader.sampler
@@ -315,7 +322,7 @@ class OscarsStrategy(DDPStrategy):
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         loader = self._loader
-        if loader is not None and loader.slot_infos and self.lightning_module.trainer.training:
+        if loader is not None and loader.slot_infos and self._module.trainer.training:
             self._slot = loader.slot_infos.popleft()
             if not self._slot.real:
                 return batch  # a no-op slot: nothing to move
@@ -361,7 +368,7 @@ class OscarsStrategy(DDPStrategy):
         return super().lightning_module_state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.is_active and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+        if self.is_active and self._module.trainer.state.fn == TrainerFn.FITTING:
             checkpoint["oscars"] = self.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -420,6 +427,7 @@ class OscarsStrategy(DDPStrategy):
     # ------------------------------------------------------------------ round logic (called by _RoundCallback)
 
     def on_fit_train_start(self, trainer: Trainer) -> None:
+        self._fit_started = time.perf_counter()
         self._neutralise_per_batch_collectives(trainer)
         self._install_noop_slots(trainer)
         self._apply_restored_state()
@@ -556,6 +564,7 @@ class OscarsStrategy(DDPStrategy):
         rebalanced = self._update_schedule()
         record = RoundRecord(
             round=self.num_averagings,
+            time=time.perf_counter() - self._fit_started,
             epoch=trainer.current_epoch,
             global_step=trainer.global_step,
             local_steps=list(in_force),
@@ -594,11 +603,11 @@ class OscarsStrategy(DDPStrategy):
 
     def _get_averager(self) -> FlatAverager:
         if self.average_optimizer_state:
-            tensors = averaged_tensors(self.lightning_module, self.optimizers)
+            tensors = averaged_tensors(self._module, self.optimizers)
             if self._averager is None or self._averager.tensors != tensors:
                 self._averager = FlatAverager(tensors, self.world_size * _PER_RANK + _GLOBAL, self.root_device)
         elif self._averager is None:
-            tensors = averaged_tensors(self.lightning_module)
+            tensors = averaged_tensors(self._module)
             self._averager = FlatAverager(tensors, self.world_size * _PER_RANK + _GLOBAL, self.root_device)
         return self._averager
 
@@ -634,7 +643,8 @@ class OscarsStrategy(DDPStrategy):
         # Lightning broadcasts a SIGTERM flag on every batch; ranks here run the same batches but must not meet
         # per batch. SIGTERM is exchanged in the round's all-reduce instead.
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
-        self._timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer) and cb._interval == "step"]
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        self._timers = [cb for cb in callbacks if isinstance(cb, Timer) and cb._interval == "step"]
         for timer in self._timers:
             timer.on_train_batch_end = _skip  # type: ignore[method-assign]
         if _is_main_thread():

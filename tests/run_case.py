@@ -239,6 +239,13 @@ def build(case: str, out: Path):
     elif case == "warmup_too_long":
         strategy = OscarsStrategy(warmup_steps=8)
         kwargs.update(max_epochs=-1, max_steps=5)
+    elif case in ("exact_a", "exact_b", "preempt_first", "preempt_resume"):
+        # Deterministic: emulated (pinned) speeds, optimizer state averaged so a checkpoint holds every rank's.
+        strategy = OscarsStrategy(step_times=[0.01, 0.03], average_optimizer_state=True)
+        kwargs.update(default_root_dir=str(out), enable_checkpointing=case == "preempt_first")
+        callbacks = []
+        if case == "preempt_first":
+            callbacks = [SendSignal(1, step=20), OnExceptionCheckpoint(dirpath=str(out / "preempt"))]
     elif case == "tiny_dataset":
         module = ToyModule(n=16, batch_size=16)
     else:
@@ -255,6 +262,7 @@ def main() -> None:
     dump_after = float(os.environ.get("OSCARS_TEST_DUMP_AFTER", "0"))
     if dump_after > 0:  # a hang prints every rank's stack (to the test's log) and exits instead of waiting
         faulthandler.dump_traceback_later(dump_after, exit=True)
+    L.seed_everything(0, verbose=False)
     module, kwargs, strategy, callbacks = build(case, out)
     counter = CollectiveCounter()
     seen_at = SeenAtStep()
@@ -269,6 +277,8 @@ def main() -> None:
         ckpt = str(out / "steps" / "epoch=0-step=5.ckpt")
     elif case == "resume_from_env":
         ckpt = os.environ["OSCARS_TEST_CKPT"]
+    elif case == "preempt_resume":
+        ckpt = str(out / "preempt" / "on_exception.ckpt")
     try:
         trainer.fit(module, ckpt_path=ckpt)
     except (Exception, SystemExit) as error:  # noqa: BLE001 - reported to the test (SIGTERMException is a SystemExit)

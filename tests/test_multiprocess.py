@@ -324,3 +324,24 @@ def test_dataset_smaller_than_one_step_per_rank_fails_clearly(tmp_path):
     results = run_case("tiny_dataset", tmp_path)
     for r in results:
         assert "fewer than one optimizer step for each of the 2 ranks" in r.get("error", ""), r.get("error")
+
+
+def test_same_seed_and_pinned_speeds_give_identical_runs(tmp_path):
+    a = finished("exact_a", tmp_path / "a")
+    b = finished("exact_b", tmp_path / "b")
+    assert [h["local_steps"] for h in a[0]["history"]] == [h["local_steps"] for h in b[0]["history"]]
+    assert a[0]["weights"] == b[0]["weights"]  # bit-identical on CPU
+    assert a[0]["schedule"] == [3, 1]
+
+
+def test_preempted_run_resumes_to_the_uninterrupted_weights(tmp_path):
+    reference = finished("exact_a", tmp_path / "ref")
+    stopped = run_case("preempt_first", tmp_path / "run")
+    assert all("SIGTERMException" in r.get("error", "") for r in stopped)
+    assert stopped[0]["weights"] == stopped[1]["weights"]
+    resumed = finished("preempt_resume", tmp_path / "run")
+    assert 20 <= stopped[0]["global_step"] < reference[0]["global_step"]
+    assert resumed[0]["global_step"] == reference[0]["global_step"]
+    # Nothing lost, nothing repeated, and the same trajectory: bit-identical final weights.
+    assert sum(r["seen"] for r in stopped) + sum(r["seen"] for r in resumed) == sum(r["seen"] for r in reference)
+    assert resumed[0]["weights"] == reference[0]["weights"]
