@@ -17,7 +17,9 @@ Model and assumptions (what the numbers do and do not include):
   time is ``t_i * f_i(t) * e`` with ``e`` lognormal of mean 1 (``sigma`` = ``noise``), independent across steps
   and ranks, and ``f_i(t)`` an optional piecewise-constant slowdown profile ("rank r is k x slower from t s"),
   read at the start of each round (exact for BSP, whose rounds are one step). ``first_step_s`` is added to
-  every rank's first step (start-up transient: allocator, first batch, first optimizer step).
+  every rank's first step (start-up transient: allocator, first batch, first optimizer step). An optional
+  load factor (mean-1 lognormal per rank, AR(1) in time) scales whole rounds: a shared machine's load, which
+  unlike per-step noise moves the per-round medians the strategy re-solves on.
 * A round: rank ``i`` runs ``tau_i`` local steps, then idles through ``max tau - tau_i`` no-op slots at
   ``noop_s`` each (the strategy's lock-step slots: Lightning still runs its loop around an empty batch; the
   scaling study takes 0, the 2-rank CPU benchmark about 1 ms), waits at the barrier for the last rank, then
@@ -41,7 +43,8 @@ Model and assumptions (what the numbers do and do not include):
   the inputs come from the measured runs: per-rank step times and all-reduce cost from the strategy's round
   history (each local SGD / oscars configuration its own, ddp the profile's pooled ones), the no-op slot and
   per-averaging overhead from a fit of every round's wall time across all histories, the start-up transient
-  from the first round, the epoch turnover from ddp's validation times, and ddp's per-step overhead (gradient
+  from the first round, the load (per rank) and its correlation time from how the rounds' mean step times
+  vary, the epoch turnover from ddp's validation times, and ddp's per-step overhead (gradient
   all-reduce, DDP hooks) fitted once on the homogeneous profile (on the profile itself when that is absent:
   then ddp's row is a fit, not a prediction). The simulator predicts train wall (validation excluded) and
   samples/s; a sensitivity table shows how the error moves with each input.
@@ -75,6 +78,7 @@ __all__ = [
     "Slowdown",
     "StudyConfig",
     "ValidationInputs",
+    "fit_ddp_overhead",
     "fit_round_costs",
     "machine_inputs",
     "mix_step_times",
@@ -502,11 +506,13 @@ class _Engine:
         self.record_batch_size = record_batch_size
         self.history: list[dict[str, Any]] = []
         self._started = False
+        self._planned: np.ndarray | None = None
 
     def note_schedule(self) -> None:
-        planned = tuple(int(x) for x in self.policy.local_steps(self.n))
-        if not self.changes or self.changes[-1][1] != planned:
-            self.changes.append((self.averagings, planned))
+        planned = self.policy.local_steps(self.n)
+        if self._planned is None or not np.array_equal(planned, self._planned):
+            self._planned = planned.copy()
+            self.changes.append((self.averagings, tuple(int(x) for x in planned)))
 
     def round(self, quotas: np.ndarray, width: int, cuts: Sequence[int] = (), validate_at_end: bool = False) -> bool:
         """``width`` slots, rank ``i`` real in its first ``quotas[i]``; average at every cut and at the end.
@@ -908,17 +914,39 @@ def run_allreduce(run: Mapping[str, Any]) -> float | None:
     return cost if cost else None
 
 
+def _validation_records(history: Sequence[Mapping[str, Any]], validations_per_epoch: int) -> set[int]:
+    """Indices of the records right before a validation: their epoch-local ``global_step`` is a multiple of
+    Lightning's ``val_check_batch`` (``int(slots of the epoch / validations per epoch)``)."""
+    ends: dict[int, int] = {}
+    for r in history:
+        ends[int(r["epoch"])] = max(ends.get(int(r["epoch"]), 0), int(r["global_step"]))
+    out = set()
+    for index, r in enumerate(history):
+        epoch = int(r["epoch"])
+        base = max((g for e, g in ends.items() if e < epoch), default=0)
+        check = max(1, int((ends[epoch] - base) / validations_per_epoch))
+        if (int(r["global_step"]) - base) % check == 0:
+            out.add(index)
+    return out
+
+
 def round_residuals(run: Mapping[str, Any], batch_size: int) -> list[tuple[float, np.ndarray, np.ndarray]]:
     """Per clean round of a history: (wall - all-reduce - busiest compute, compute per rank, no-op slots per rank).
 
-    Rounds across an epoch turnover are left out, and so are the rounds whose wall contains a validation (the
-    history's clock runs through validation): the largest residuals, as many as the run has validations.
+    Left out: rounds across an epoch turnover, and rounds right after a validation (the history's clock runs
+    through validation; the benchmark's train wall does not).
     """
     history = _history(run)
+    epochs = {r.get("epoch") for r in history}
+    per_epoch = round(len(_curve(run)) / len(epochs)) if epochs else 0
+    try:
+        after_validation = {i + 1 for i in _validation_records(history, per_epoch)} if per_epoch else set()
+    except (KeyError, TypeError, ValueError):
+        after_validation = set()
     rows = []
-    for a, b in zip(history[:-1], history[1:]):
+    for index, (a, b) in enumerate(zip(history[:-1], history[1:]), start=1):
         try:
-            if a["epoch"] != b["epoch"]:
+            if a["epoch"] != b["epoch"] or index in after_validation:
                 continue
             wall = float(b["time"]) - float(a["time"])
             slots = int(b["global_step"]) - int(a["global_step"])
@@ -929,9 +957,7 @@ def round_residuals(run: Mapping[str, Any], batch_size: int) -> list[tuple[float
             continue
         if slots > 0 and wall > 0 and compute.ndim == 1 and compute.size:
             rows.append((wall - cost - float(compute.max()), compute, np.maximum(slots - real, 0.0)))
-    skip = len(_curve(run))
-    rows.sort(key=lambda row: row[0])
-    return rows[: max(len(rows) - skip, 0)]
+    return rows
 
 
 def fit_round_costs(
@@ -1208,7 +1234,7 @@ def machine_inputs(results: Mapping[str, Any], overrides: Mapping[str, Any] | No
         values["load"], sources["load"] = float(overrides["load"]), "cli"
     else:
         values["load"] = None  # per profile and rank, from the runs
-        sources["load"] = "per profile and rank, from the rounds' mean step times" if loads else "none (no history)"
+        sources["load"] = "per profile and rank, from the rounds' step times" if any(loads) else "none (no history)"
     if overrides.get("load_time_s") is not None:
         values["load_time_s"], sources["load_time_s"] = float(overrides["load_time_s"]), "cli"
     elif load_times:
@@ -1227,8 +1253,7 @@ def machine_inputs(results: Mapping[str, Any], overrides: Mapping[str, Any] | No
         measured = _number(_configs(homogeneous).get("ddp", {}).get("median_train_wall_s"))
         if measured:
             base = validation_inputs(results, "homogeneous", {**values, "ddp_overhead_s": 0.0}, config="ddp")
-            per_rank = base.total_units / len(base.step_times)
-            values["ddp_overhead_s"] = max(0.0, (measured - predict(base, "ddp")["train_s"]) / per_rank)
+            values["ddp_overhead_s"] = fit_ddp_overhead(base, measured)
             sources["ddp_overhead_s"] = "fit to the homogeneous ddp runs"
         else:
             sources["ddp_overhead_s"] = "fit to each profile's own ddp runs (no homogeneous profile): not a prediction"
@@ -1268,6 +1293,52 @@ def _step_time_model(results: Mapping[str, Any], batch: int) -> tuple[float, flo
     return float(a), float(b)
 
 
+def _solo_times(runs: Sequence[Mapping[str, Any]]) -> tuple[float, ...] | None:
+    """Per-rank median of the runs' calibrated pure-compute step time (``cluster[i]["solo_step_s"]``)."""
+    rows = []
+    for run in runs:
+        cluster = run.get("cluster")
+        if isinstance(cluster, list) and cluster and all(isinstance(c, Mapping) for c in cluster):
+            solo = [_number(c.get("solo_step_s")) for c in cluster]
+            if all(solo):
+                rows.append(solo)
+    return _elementwise_median(rows)
+
+
+def _regime_step_times(
+    runs: Sequence[Mapping[str, Any]],
+    batch: int,
+    entries: Mapping[int, Sequence[tuple[float, float]]],
+    guess: Callable[[float], float],
+    n: int,
+) -> dict[tuple[int, float], float]:
+    """Mean step time of every (rank, emulated factor) of a time-varying profile, from the round histories.
+
+    Each round's mean step time of a rank is assigned to the nearest (in log) of ``guess(k)`` over the factors
+    the rank takes in the profile; the rounds of the first averaging (start-up) are left out.
+    """
+    sums: dict[tuple[int, float], list[float]] = {}
+    for run in runs:
+        for record in _history(run)[1:]:
+            try:
+                compute = [float(x) for x in record["compute_times"]]
+                real = [float(x) / batch for x in record["samples"]]
+            except (KeyError, TypeError, ValueError):
+                continue
+            for i in range(min(n, len(compute), len(real))):
+                if real[i] < 2 or compute[i] <= 0:
+                    continue
+                ks = {k for _, k in entries.get(i, [])}
+                if not entries.get(i) or min(s for s, _ in entries[i]) > 0:
+                    ks.add(1.0)
+                x = compute[i] / real[i]
+                k = min(ks, key=lambda k: abs(math.log(x / guess(k))))
+                acc = sums.setdefault((i, k), [0.0, 0.0])
+                acc[0] += compute[i]
+                acc[1] += real[i]
+    return {key: c / steps for key, (c, steps) in sums.items() if steps > 0}
+
+
 def validation_inputs(
     results: Mapping[str, Any],
     profile: str,
@@ -1277,8 +1348,9 @@ def validation_inputs(
     """Inputs of one configuration of one profile (``machine``: :func:`machine_inputs`, computed if absent).
 
     Step times and all-reduce cost: the configuration's own round histories (local SGD, oscars), else the
-    median over the profile's local SGD / oscars runs (ddp), else the machine-wide all-reduce. A time-varying
-    profile (``volatile``) takes its step times from ``t(k) = a + b (k - 1)`` fitted on the constant profiles.
+    median over the profile's local SGD / oscars runs (ddp, whose emulated sleep is re-scaled to its own
+    runs' calibration), else the machine-wide all-reduce. A time-varying profile (``volatile``) splits the
+    histories' rounds by speed regime (nearest of ``t(k) = a + b (k - 1)``, fitted on the constant profiles).
     """
     machine = dict(machine) if machine is not None else machine_inputs(results)
     batch = int(machine.get("batch_size") or 64)
@@ -1287,31 +1359,50 @@ def validation_inputs(
     configs = _configs(_results_profiles(results).get(profile))
     pooled = [r for name, c in configs.items() if name != "ddp" for r in _runs(c)]
     own = _runs(configs.get(config)) if config and config != "ddp" else []
-    events: tuple[tuple[int, float, float], ...] = ()
+    entries = parse_profile(spec)
     if _is_time_varying(spec):
         model = _step_time_model(results, batch)
         if model is None:
             raise ValueError(f"profile {profile!r} varies in time and no constant profiles give t(k)")
         a, b = model
-        n = 2
-        factors = parse_slowdown(spec, n, at_s=0.0)
-        times: tuple[float, ...] | None = tuple(a + b * (k - 1.0) for k in factors)
-        events = tuple(
-            (rank, start, a + b * (k - 1.0))
-            for rank, entries in parse_profile(spec).items()
-            for start, k in entries
-            if start > 0
-        )
-        sources["step_times"] = f"t(k) = {a * 1e3:.2f} + {b * 1e3:.2f} (k-1) ms, fitted on the constant profiles"
+        regimes = _regime_step_times(own or pooled, batch, entries, lambda k: a + b * (k - 1.0), 2)
+        factors = parse_slowdown(spec, 2, at_s=0.0)
+        changes = [(rank, start, k) for rank, es in entries.items() for start, k in es if start > 0]
+        if regimes:
+            where = "own runs" if own else "profile's local SGD / oscars runs"
+            sources["step_times"] = f"{where}, rounds split by speed regime (nearest of t(k) = a + b (k-1))"
+        else:
+            sources["step_times"] = f"t(k) = {a * 1e3:.2f} + {b * 1e3:.2f} (k-1) ms, fitted on the constant profiles"
     else:
+        regimes, changes = {}, []
         times = _elementwise_median([run_step_times(r, batch) for r in own])
         sources["step_times"] = "own runs"
         if times is None:
             times = _elementwise_median([run_step_times(r, batch) for r in pooled])
             sources["step_times"] = "profile's local SGD / oscars runs"
+        if not any(_history(r) for r in (own or pooled)):
+            sources["step_times"] += " (no history: last round's smoothed times)"
         if times is None:
             raise ValueError(f"profile {profile!r}: no local SGD / oscars run gives step times")
         factors = parse_slowdown(spec, len(times), at_s=0.0)
+        a, b = 0.0, 0.0
+        regimes = {(i, k): t for i, (t, k) in enumerate(zip(times, factors))}
+    # ddp has no step times of its own: the strategy runs' ones, with the emulated sleep ((k-1) x the rank's
+    # calibrated compute time) re-scaled to the ddp runs' own calibration.
+    gap = (0.0,) * len(factors)
+    if config == "ddp":
+        ddp_solo, pooled_solo = _solo_times(_runs(configs.get("ddp"))), _solo_times(pooled)
+        if ddp_solo and pooled_solo and len(ddp_solo) == len(factors) == len(pooled_solo):
+            gap = tuple(d - p for d, p in zip(ddp_solo, pooled_solo))
+            slowed = [i for i in range(len(gap)) if any(k != 1.0 for _, k in entries.get(i, []))]
+            shifts = ", ".join(f"rank {i} {1e3 * gap[i]:+.2f} ms" for i in slowed)
+            sources["step_times"] += f"; sleep per (k-1) re-scaled to ddp's calibration ({shifts or 'no slow rank'})"
+
+    def step(rank: int, k: float) -> float:
+        return regimes.get((rank, k), a + b * (k - 1.0)) + (k - 1.0) * gap[rank]
+
+    times = tuple(step(i, k) for i, k in enumerate(factors))
+    events = tuple((rank, start, step(rank, k)) for rank, start, k in changes)
     noise = float(machine.get("noise", 0.1))
     if machine.get("load") is not None:
         load: tuple[float, ...] = (float(machine["load"]),) * len(times)
@@ -1367,11 +1458,23 @@ def validation_inputs(
     overhead = machine.get("ddp_overhead_s")
     if overhead is None:  # no homogeneous profile: fit this profile's ddp to itself
         measured = _number(configs.get("ddp", {}).get("median_train_wall_s")) if config == "ddp" else None
-        overhead = 0.0
-        if measured:
-            per_rank = inputs.total_units / len(inputs.step_times)
-            overhead = max(0.0, (measured - predict(inputs, "ddp")["train_s"]) / per_rank)
+        overhead = fit_ddp_overhead(inputs, measured) if measured else 0.0
     return replace(inputs, ddp_overhead_s=float(overhead))
+
+
+def fit_ddp_overhead(inputs: ValidationInputs, measured_s: float) -> float:
+    """ddp's per-step overhead that makes the simulated train wall equal ``measured_s`` (>= 0; one secant step).
+
+    The wall grows almost linearly with the overhead, slightly faster than ``steps x overhead`` because the load
+    factor scales the whole step and each step waits for the slower rank.
+    """
+    per_rank = inputs.total_units / len(inputs.step_times)
+    at_zero = predict(replace(inputs, ddp_overhead_s=0.0), "ddp")["train_s"]
+    guess = max(0.0, (measured_s - at_zero) / per_rank)
+    if guess == 0.0:
+        return 0.0
+    slope = (predict(replace(inputs, ddp_overhead_s=guess), "ddp")["train_s"] - at_zero) / guess
+    return max(0.0, (measured_s - at_zero) / slope) if slope > 0 else guess
 
 
 def simulate_config(
@@ -1646,6 +1749,13 @@ def validation_markdown(report: Mapping[str, Any]) -> list[str]:
                 f"{_pct(er['samples_per_s'])} | {rounds} | {measured_rounds} | {_tau_list(pr['final_local_steps'])} | "
                 f"{_tau_list(me['schedules'])} |"
             )
+        notes = {f"{r['config']}: step times from {r['inputs']['sources']['step_times']}" for r in p["rows"]}
+        notes |= {
+            f"{r['config']}: all-reduce from {r['inputs']['sources']['allreduce_s']}"
+            for r in p["rows"]
+            if r["paradigm"] != "ddp"
+        }
+        lines += ["", "Sources: " + "; ".join(sorted(notes)) + "."]
     return lines
 
 
@@ -1683,7 +1793,9 @@ def scaling_markdown(rows: Sequence[Mapping[str, Any]], cfg: StudyConfig) -> lis
         f"{cfg.params / 1e6:.0f}M params x {cfg.bytes_per_param:.0f} B, ring all-reduce at "
         f"{cfg.bandwidth / 1e9:.0f} GB/s and {cfg.latency * 1e6:.0f} us per hop, BSP overlap {cfg.overlap}, "
         f"local SGD H={cfg.local_period}, oscars with the strategy's defaults (M=8, max 16 local steps, "
-        f"tolerance 0.05, warm-up 4). {cfg.steps_per_rank} x N optimizer steps per run. thr = optimizer steps/s "
+        "tolerance 0.05, warm-up 4, step times within 5% snapped, re-solve on 20% drift of a step time or of the "
+        "all-reduce cost relative to the round, first epoch cut once solved). "
+        f"{cfg.steps_per_rank} x N optimizer steps per run. thr = optimizer steps/s "
         "summed over ranks (% of the ideal sum_i 1/t_i); util = compute / (N x wall); idle = mean share of "
         "wall a rank waits at the barrier or in no-op slots; tau = final local steps per speed class; oracle = "
         "oscars solved up front from the true mean step times and all-reduce cost (no warm-up).",
@@ -1755,10 +1867,6 @@ def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
@@ -1780,6 +1888,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     v.add_argument("--round-overhead-s", type=float, help="bookkeeping seconds per averaging beyond the all-reduce")
     v.add_argument("--first-step-s", type=float, help="start-up transient added to every rank's first step")
     v.add_argument("--epoch-overhead-s", type=float, help="epoch turnover seconds (validation is excluded)")
+    v.add_argument("--load", type=float, help="sigma of the per-round load factor, every rank (0: none)")
+    v.add_argument("--load-time-s", type=float, help="correlation time of the load, seconds")
     v.add_argument("--batch-size", type=int)
     v.add_argument("--val-noise", type=float, default=0.1, help="per-step lognormal sigma in the validation")
     v.add_argument("--val-seeds", type=int, default=5)
@@ -1813,6 +1923,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "round_overhead_s": a.round_overhead_s,
             "first_step_s": a.first_step_s,
             "epoch_overhead_s": a.epoch_overhead_s,
+            "load": a.load,
+            "load_time_s": a.load_time_s,
             "batch_size": a.batch_size,
             "noise": a.val_noise,
             "seeds": a.val_seeds,

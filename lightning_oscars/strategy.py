@@ -27,7 +27,6 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint, Timer
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
@@ -35,10 +34,12 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_oscars.averaging import FlatAverager, averaged_tensors
+from lightning_oscars.faults import FailureBoard, describe_collective_failure
 from lightning_oscars.loader import LoadBalancedLoader, SlotInfo
 from lightning_oscars.monitor import ScheduleMonitor
 from lightning_oscars.partition import EpochPlan, Round, planned_slots
@@ -66,6 +67,8 @@ _WEIGHT, _STOP, _SIGTERM = range(3)
 _GLOBAL = 3
 # Ranks whose measured step times differ by less than this are treated as equally fast (noise, not speed).
 _SNAP_TOLERANCE = 0.05
+# Collective timeout: well under NCCL's 30 minutes, yet long enough for a large checkpoint write.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 class RoundRecord(dict):
@@ -98,7 +101,8 @@ class OscarsStrategy(DDPStrategy):
         seed: seed of the per-epoch shuffle of the training data.
         monitor: add a :class:`~lightning_oscars.ScheduleMonitor` (per-round metrics to the loggers, ``tau`` in
             the progress bar, a summary at the end of fit) unless the trainer already has one.
-        timeout: collective timeout; a dead rank is reported after at most this long.
+        timeout: collective timeout (default 10 minutes): a hung rank is reported after at most this long; a
+            rank that dies or raises is reported at once. Raise it if saving a checkpoint can take longer.
 
     Remaining arguments are those of :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
@@ -121,7 +125,7 @@ class OscarsStrategy(DDPStrategy):
         local_steps: Sequence[int] | None = None,
         seed: int = 0,
         monitor: bool = True,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
         **kwargs: Any,
@@ -199,6 +203,7 @@ class OscarsStrategy(DDPStrategy):
         self._local_sigterm = False
         self._timers: list[Timer] = []
         self._manual_steps_per_batch = 0
+        self._failed = False  # this rank raised or its all-reduce broke: skip every further collective
         self._restored: dict[str, Any] | None = getattr(self, "_restored", None)
 
     @property
@@ -336,7 +341,7 @@ class OscarsStrategy(DDPStrategy):
             self._in_local_step = False
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if self._in_local_step:
+        if self._in_local_step or self._failed:
             # self.log(..., sync_dist=True) inside a local step: ranks run different numbers of steps, so the
             # value stays rank-local here; epoch-level aggregates are reduced at the epoch end as usual.
             return tensor
@@ -348,11 +353,24 @@ class OscarsStrategy(DDPStrategy):
 
     def barrier(self, name: str | None = None) -> None:
         self._forbid_collective("barrier")
+        if self._failed:  # the peers are gone or will not come: a barrier would wait for the timeout
+            return
         super().barrier(name)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         self._forbid_collective("broadcast")
+        if self._failed:
+            return obj
         return super().broadcast(obj, src)
+
+    def on_failure(self, error: BaseException) -> None:
+        """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""
+        if self._failed or not self.is_active or isinstance(error, SIGTERMException):
+            return  # SIGTERM is a coordinated stop (all ranks, same batch): collectives stay matched
+        self._failed = True
+        board = FailureBoard.from_default_group(self.world_size)
+        if board is not None:
+            board.report_error(self.global_rank, error)
 
     def _forbid_collective(self, name: str) -> None:
         if self._in_local_step:
@@ -503,7 +521,7 @@ class OscarsStrategy(DDPStrategy):
 
     def average_if_pending(self) -> None:
         """Average now if any rank trained since the last averaging (the same answer on every rank)."""
-        if not self.is_active or self._slots_since_average == 0 or self.lightning_module is None:
+        if not self.is_active or self._slots_since_average == 0 or self.lightning_module is None or self._failed:
             return
         trainer = self.lightning_module.trainer
         if trainer.state.fn != TrainerFn.FITTING:
@@ -539,7 +557,19 @@ class OscarsStrategy(DDPStrategy):
         control[g + _SIGTERM] = float(self._local_sigterm)
 
         averager = self._get_averager()
-        summed = averager.all_reduce(weight, control, weight_index=g + _WEIGHT)
+        try:
+            summed = averager.all_reduce(weight, control, weight_index=g + _WEIGHT)
+        except Exception as error:  # a peer died, raised or hung past the timeout: name it, then stop
+            self._failed = True
+            board = FailureBoard.from_default_group(n)
+            round_index = self.num_averagings + 1
+            cause = f"{type(error).__name__}: {error}"
+            message = (
+                board.explain(rank, round_index, error)
+                if board is not None
+                else describe_collective_failure(rank, n, round_index, {}, [rank], cause)
+            )
+            raise RuntimeError(message) from error
         self._last_allreduce = time.perf_counter() - started
         self.num_averagings += 1
 
@@ -729,6 +759,10 @@ class _RoundCallback(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.average_if_pending()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # Runs before checkpoint callbacks' on_exception, so that a failing rank saves without collectives.
+        self.strategy.on_failure(exception)
 
 
 def _skip(*args: Any, **kwargs: Any) -> None:

@@ -9,6 +9,8 @@ import json
 import os
 import signal
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -85,6 +87,38 @@ class SendSignal(Callback):
         if trainer.global_rank == self.rank and trainer.global_step == self.step and self.sent_at is None:
             self.sent_at = trainer.global_step
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SeenPerEpoch(Callback):
+    """Samples this rank trained on in each completed epoch."""
+
+    def __init__(self) -> None:
+        self.per_epoch: list[int] = []
+        self._before = 0
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self._before = pl_module.seen
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.per_epoch.append(pl_module.seen - self._before)
+
+
+class FaultyModule(ToyModule):
+    """Rank 1 misbehaves at its 5th step: raises, hangs (sleeps past the collective timeout) or is killed."""
+
+    def __init__(self, fault: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fault = fault
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.steps_taken == 4:
+            if self.fault == "raise":
+                raise ValueError("injected failure in training_step")
+            if self.fault == "hang":
+                time.sleep(25)
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(batch, batch_idx)
 
 
 class ManualModule(ToyModule):
@@ -246,6 +280,23 @@ def build(case: str, out: Path):
         callbacks = []
         if case == "preempt_first":
             callbacks = [SendSignal(1, step=20), OnExceptionCheckpoint(dirpath=str(out / "preempt"))]
+    elif case in ("raise_rank1", "hang_rank1", "kill_rank1"):
+        module = FaultyModule(case.split("_")[0], step_cost=0.004)
+        strategy = OscarsStrategy(warmup_steps=2, timeout=timedelta(seconds=8))
+    elif case == "soak":  # both ranks change speed at random every 2-4 s, for SOAK_SECONDS
+        import random
+
+        rng = random.Random(7)
+        seconds = float(os.environ.get("SOAK_SECONDS", "45"))
+        profiles: dict = {0: [], 1: []}
+        for rank in (0, 1):
+            t = 0.0
+            while t < seconds:
+                profiles[rank].append((t, rng.choice([1.0, 1.5, 2.0, 3.0, 4.0])))
+                t += rng.uniform(2.0, 4.0)
+        module = ToyModule(step_cost=0.002, n=2048)
+        kwargs.update(max_epochs=10_000, max_time={"seconds": seconds}, limit_val_batches=1)
+        callbacks = [HeterogeneityEmulator(profiles, jitter=0.2)]
     elif case == "tiny_dataset":
         module = ToyModule(n=16, batch_size=16)
     else:
@@ -265,9 +316,9 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     module, kwargs, strategy, callbacks = build(case, out)
     counter = CollectiveCounter()
-    seen_at = SeenAtStep()
+    seen_at, per_epoch = SeenAtStep(), SeenPerEpoch()
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, callbacks=[*callbacks, counter, seen_at], **kwargs
+        strategy=strategy, accelerator="cpu", devices=2, callbacks=[*callbacks, counter, seen_at, per_epoch], **kwargs
     )
     result: dict = {}
     ckpt = None
@@ -279,10 +330,12 @@ def main() -> None:
         ckpt = os.environ["OSCARS_TEST_CKPT"]
     elif case == "preempt_resume":
         ckpt = str(out / "preempt" / "on_exception.ckpt")
+    started = time.perf_counter()
     try:
         trainer.fit(module, ckpt_path=ckpt)
     except (Exception, SystemExit) as error:  # noqa: BLE001 - reported to the test (SIGTERMException is a SystemExit)
         result["error"] = f"{type(error).__name__}: {error}"
+        result["error_after_s"] = time.perf_counter() - started
     if case == "eval_after_fit" and "error" not in result:
         result["validate"] = trainer.validate(module, verbose=False)
         result["test"] = trainer.test(module, verbose=False)
@@ -300,6 +353,7 @@ def main() -> None:
         metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
         lr=[g["lr"] for opt in trainer.optimizers for g in opt.param_groups],
         seen_at=seen_at.seen,
+        seen_per_epoch=per_epoch.per_epoch,
     )
     if isinstance(s, OscarsStrategy):
         result.update(

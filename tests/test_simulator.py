@@ -1,8 +1,9 @@
 """Unit tests of the cluster simulator (benchmarks/simulator.py): closed-form cases it must reproduce exactly,
-the mechanisms copied from the strategy, and the validation / CLI plumbing. Fast: no torch.distributed."""
+the mechanisms copied from the strategy, and the validation / CLI plumbing (on benchmark results the simulator
+itself generates from known inputs, which the validation must recover). Fast: no torch.distributed."""
 
 import json
-import statistics
+import math
 import sys
 from pathlib import Path
 
@@ -21,20 +22,26 @@ from benchmarks.simulator import (  # noqa: E402
     FixedPolicy,
     OscarsPolicy,
     Slowdown,
+    ValidationInputs,
     _fit_to_remaining,
     _row_medians,
+    fit_round_costs,
+    machine_inputs,
     main,
     mix_step_times,
+    parse_profile,
     parse_slowdown,
     ring_allreduce_time,
     simulate,
     simulate_bsp,
+    simulate_config,
     simulate_local_sgd,
     simulate_oscars,
     validate_against,
     validation_inputs,
 )
-from lightning_oscars.solver import solve_schedule  # noqa: E402
+from lightning_oscars.partition import planned_slots  # noqa: E402
+from lightning_oscars.solver import snap_step_times, solve_schedule  # noqa: E402
 
 
 def test_ring_allreduce_cost_formula():
@@ -78,10 +85,10 @@ def test_bsp_pays_the_exposed_part_of_the_allreduce():
 
 
 def test_fixed_local_sgd_round_is_set_by_the_slowest_rank():
-    res = simulate_local_sgd(Cluster((1.0, 2.0)), 2 * 8 * 5, allreduce_s=1.0, period=8)
+    res = simulate_local_sgd(Cluster((1.0, 2.0)), 2 * 8 * 5, allreduce_s=1.0, period=8, round_overhead_s=0.25)
     assert res.rounds == 5
-    assert res.wall_s == pytest.approx(5 * (16.0 + 1.0))
-    assert res.idle_fraction[0] == pytest.approx(8.0 / 17.0)
+    assert res.wall_s == pytest.approx(5 * (16.0 + 1.0 + 0.25))
+    assert res.idle_fraction[0] == pytest.approx(8.0 / 17.25)
 
 
 def test_noise_free_oscars_matches_the_solver_prediction():
@@ -90,17 +97,73 @@ def test_noise_free_oscars_matches_the_solver_prediction():
     policy = OscarsPolicy(initial_step_times=times, initial_allreduce_s=cost)
     res = simulate_oscars(Cluster(times), 40 * sum(schedule.local_steps), allreduce_s=cost, policy=policy)
     assert res.final_local_steps == schedule.local_steps
+    assert len(res.schedule_changes) == 1 and policy.solves == 1
     assert res.throughput == pytest.approx(schedule.throughput, rel=1e-9)
     assert res.round_utilization == pytest.approx(schedule.utilization, rel=1e-9)
 
 
-def test_oscars_first_solve_sees_no_allreduce_cost_like_the_strategy():
-    # The strategy's first averaging carries no all-reduce time yet, so the first schedule is solved at cost 0.
+def test_first_solve_is_at_cost_zero_and_a_large_cost_triggers_a_re_solve():
+    # The strategy's first averaging carries no all-reduce time yet: the first schedule is solved at cost 0.
+    # From the second averaging on the cost is known; it counts as drift relative to the round
+    # (|c_new - c_old| / (T + c_old)), so a cost that is large against the round re-solves the schedule.
+    times = (0.1, 0.3)
+    small = OscarsPolicy()
+    simulate_oscars(Cluster(times), 400, allreduce_s=0.05, policy=small)  # 0.05 / 0.3 < 0.2: kept
+    assert small.solves == 1 and small.schedule.allreduce_time == 0.0
+    assert small.schedule.local_steps == solve_schedule(times, 0.0).local_steps == (3, 1)
+    large = OscarsPolicy()
+    res = simulate_oscars(Cluster(times), 400, allreduce_s=0.2, policy=large)
+    assert large.solves == 2 and large.schedule.allreduce_time == pytest.approx(0.2)
+    assert large.schedule.local_steps == solve_schedule(times, 0.2).local_steps != (3, 1)
+    # warm-up (4, 4), the cost-0 schedule for one round, then the re-solved one
+    assert [steps for _, steps in res.schedule_changes] == [(4, 4), (3, 1), large.schedule.local_steps]
+    assert res.schedule_changes[2][0] == 2
+
+
+def test_equally_fast_ranks_are_snapped_before_the_exact_solver():
+    times, cost = (0.100, 0.103, 0.4), 0.05
+    assert solve_schedule(times, cost).local_steps == (8, 7, 2)  # what measurement noise would cost unsnapped
+    assert OscarsPolicy(initial_step_times=times, initial_allreduce_s=cost).schedule.local_steps == (8, 8, 2)
     policy = OscarsPolicy()
-    simulate_oscars(Cluster((0.1, 0.3), noise=0.0), 200, allreduce_s=0.05, policy=policy)
-    assert policy.solves == 1
-    assert policy.schedule is not None and policy.schedule.allreduce_time == 0.0
-    assert policy.schedule.local_steps == solve_schedule((0.1, 0.3), 0.0).local_steps
+    simulate_oscars(Cluster(times), 600, allreduce_s=cost, policy=policy)
+    assert policy.schedule.step_times == pytest.approx(snap_step_times(times, 0.05)) == (0.103, 0.103, 0.4)
+    assert policy.schedule.local_steps[0] == policy.schedule.local_steps[1]
+    alg1 = OscarsPolicy(solver="alg1")  # Algorithm 1 sees the raw times, as in the strategy
+    simulate_oscars(Cluster(times), 600, allreduce_s=cost, policy=alg1)
+    assert alg1.schedule.step_times == times
+    with pytest.raises(ValueError, match="solver"):
+        OscarsPolicy(solver="nope")
+
+
+def test_first_epoch_is_cut_once_the_first_schedule_is_solved():
+    # The first epoch starts with units slots (speeds unknown); once solved it needs only the schedule's slots.
+    # With expensive no-op slots, keeping the upper bound would cost (units - needed) x noop_s of padding.
+    cluster = Cluster((0.01, 0.03), noop_s=0.05)
+    policy = OscarsPolicy()
+    res = simulate_oscars(
+        cluster, 3 * 240, allreduce_s=0.0, policy=policy, units_per_epoch=240, record_batch_size=1, seed=0
+    )
+    tau = policy.schedule.local_steps
+    first_epoch = [r for r in res.history if r["epoch"] == 0]
+    assert first_epoch[-1]["global_step"] == 4 + planned_slots(tau, 240 - 8)
+    lengths = np.diff([0.0, *res.epoch_end_s])
+    assert lengths[0] < 1.2 * lengths[1:].mean()  # no tail of no-op slots
+
+
+def test_validation_forces_an_averaging_inside_a_round():
+    # 2 ranks x 12 local steps, 256 units per epoch: rounds of 12 slots, 128 slots (the last round [8, 8]).
+    # Validation every 32 slots: at 32 and 64 inside a round (2 extra averagings), at 96 and 128 at a round's end.
+    res = simulate(
+        Cluster((0.01, 0.01)), FixedPolicy(12), 2 * 256, allreduce_s=0.001, units_per_epoch=256, val_check_interval=0.25
+    )
+    assert res.rounds == 2 * (11 + 2)
+    assert len(res.validation_s) == 8
+    aligned = simulate(
+        Cluster((0.01, 0.01)), FixedPolicy(16), 2 * 256, allreduce_s=0.001, units_per_epoch=256, val_check_interval=0.25
+    )
+    assert aligned.rounds == 2 * 8 and len(aligned.validation_s) == 8
+    ddp = simulate_bsp(Cluster((0.01, 0.01)), 2 * 256, allreduce_s=0.0, units_per_epoch=256, val_check_interval=0.25)
+    assert ddp.validation_s == pytest.approx([0.01 * 32 * k for k in range(1, 9)])
 
 
 @pytest.mark.parametrize("mix", MIXES)
@@ -118,7 +181,7 @@ def test_oscars_beats_bsp_and_local_sgd_on_heterogeneous_mixes(mix):
 
 
 def test_simulation_is_deterministic_given_a_seed():
-    cluster = Cluster((0.1, 0.12, 0.3), noise=0.1)
+    cluster = Cluster((0.1, 0.12, 0.3), noise=0.1, load=0.1, load_time_s=1.0)
     a = simulate_oscars(cluster, 600, allreduce_s=0.01, seed=7)
     b = simulate_oscars(cluster, 600, allreduce_s=0.01, seed=7)
     c = simulate_oscars(cluster, 600, allreduce_s=0.01, seed=8)
@@ -128,9 +191,17 @@ def test_simulation_is_deterministic_given_a_seed():
     assert a.wall_s != c.wall_s
 
 
-def test_noise_has_mean_one():
+def test_noise_and_load_have_mean_one():
     res = simulate_local_sgd(Cluster((0.2,), noise=0.3), 20000, allreduce_s=0.0, period=16, seed=3)
     assert res.throughput == pytest.approx(5.0, rel=0.02)
+    loaded = Cluster((0.2,), load=0.2)
+    res = simulate_local_sgd(loaded, 16 * 2000, allreduce_s=0.0, period=16, seed=3, record_batch_size=1)
+    assert res.throughput == pytest.approx(5.0, rel=0.03)
+    # unlike per-step noise, the load moves a whole round: the rounds' mean step times spread by ~sigma
+    per_round = np.log([r["compute_times"][0] / 16 for r in res.history])
+    assert per_round.std() == pytest.approx(0.2, rel=0.1)
+    with pytest.raises(ValueError, match="load"):
+        Cluster((0.1,), load=-0.1)
 
 
 def test_slowdown_profile_applies_from_its_start_time():
@@ -149,24 +220,17 @@ def test_oscars_rebalances_when_a_rank_slows_down():
     assert policy.solves >= 2
 
 
-def test_epochs_cut_rounds_and_pad_the_first_epoch():
+def test_epochs_follow_the_strategy_plan():
     cluster = Cluster((0.1, 0.3), noop_s=0.01)
-    res = simulate(
-        cluster,
-        FixedPolicy(5),
-        3 * 23,
-        allreduce_s=0.0,
-        units_per_epoch=23,
-        epoch_overhead_s=1.0,
-        first_epoch_slots=30,
-    )
+    res = simulate(cluster, FixedPolicy(5), 3 * 23, allreduce_s=0.0, units_per_epoch=23, epoch_overhead_s=1.0)
     assert res.units == 69
     assert len(res.epoch_end_s) == 3
     # Per epoch: two rounds of (5, 5) steps (1.5 s each), then the 3 units left as (2, 1) steps: rank 1 takes
-    # 0.3 s plus one no-op slot; then 1 s of validation. The first epoch used 12 slots and pads to 30.
+    # 0.3 s plus one no-op slot; then 1 s of epoch turnover.
     per_epoch = 2 * 1.5 + (0.3 + 0.01) + 1.0
-    assert res.epoch_end_s[0] == pytest.approx(per_epoch + 18 * 0.01)
-    assert res.wall_s == pytest.approx(3 * per_epoch + 18 * 0.01)
+    assert res.epoch_end_s == pytest.approx([per_epoch * k for k in (1, 2, 3)])
+    even = simulate(cluster, FixedPolicy(5), 3 * 23, allreduce_s=0.0, units_per_epoch=23, planned=False)
+    assert even.units == 69 and even.rounds == 3 * 3
 
 
 def test_fit_to_remaining_and_row_medians():
@@ -192,83 +256,189 @@ def test_mixes():
         mix_step_times("nope", 8, 0.1)
 
 
-def _fake_results(tmp_path: Path, extra: dict) -> Path:
-    def run(strategy, wall, curve_end, schedule=None, util=None):
-        return {
-            "strategy": strategy,
-            "wall_s": wall,
-            "curve": [[curve_end * (i + 1) / 4, 0.1, 0.9] for i in range(4)],
-            "samples": 65536,
-            "schedule": schedule,
-            "mean_utilization": util,
-            **extra,
-        }
+def test_fit_round_costs_recovers_noop_and_overhead():
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(60):
+        compute = rng.uniform(0.04, 0.06, 2)
+        noops = np.array([0.0, float(rng.integers(0, 6))])
+        rows.append((float((compute + 0.0015 * noops).max() - compute.max() + 0.003), compute, noops))
+    noop, overhead = fit_round_costs(rows)
+    assert noop == pytest.approx(0.0015, abs=1e-4) and overhead == pytest.approx(0.003, abs=1e-4)
+    assert fit_round_costs(rows[:3]) is None
 
-    data = {
-        "ddp": {"median_wall_s": 21.0, "median_samples_per_s": 3120.0, "runs": [run("ddp", 21.0, 18.3)]},
-        "oscars": {
-            "median_wall_s": 8.3,
-            "median_samples_per_s": 7900.0,
-            "runs": [run("oscars", 8.3, 5.1, [7, 2], 0.84)],
-        },
-    }
-    path = tmp_path / "heterogeneous.json"
+
+def test_profile_specs():
+    assert parse_profile("1:3") == {1: [(0.0, 3.0)]}
+    assert parse_profile("1:3@0,1@3;0:1@0,3@3") == {1: [(0.0, 3.0), (3.0, 1.0)], 0: [(0.0, 1.0), (3.0, 3.0)]}
+    assert parse_slowdown("1:3", 2) == (1.0, 3.0)
+    assert parse_slowdown("1:1@0,3@10", 2) == (1.0, 3.0)
+    assert parse_slowdown("1:1@0,3@10", 2, at_s=0.0) == (1.0, 1.0)
+    assert parse_slowdown({"2": 4}, 3) == (1.0, 1.0, 4.0)
+    assert parse_slowdown("", 2) == (1.0, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+# What the fake benchmark is generated with, and what the validation must find again.
+TRUTH = {
+    "step_s": 0.008,  # 1x step as the strategy measures it (Lightning and data loading included)
+    "solo_s": 0.004,  # a k-x rank adds (k-1) x this
+    "allreduce_s": 0.004,
+    "noop_s": 0.0012,
+    "round_overhead_s": 0.002,
+    "first_step_s": 0.3,
+    "epoch_overhead_s": 0.02,
+    "ddp_overhead_s": 0.003,
+    "load": 0.1,
+    "load_time_s": 0.2,
+}
+PROFILE_SPECS = {"homogeneous": "", "1x/3x": "1:3", "volatile": "1:3@0,1@1.5;0:1@0,3@1.5"}
+CONFIGS = {"ddp": "ddp", "local_sgd": "local_sgd", "oscars-exact-uniform": "oscars"}
+
+
+def _truth_inputs(spec: str, samples: int) -> ValidationInputs:
+    t = lambda k: TRUTH["step_s"] + (k - 1.0) * TRUTH["solo_s"]  # noqa: E731
+    factors = parse_slowdown(spec, 2, at_s=0.0)
+    events = tuple((r, s, t(k)) for r, entries in parse_profile(spec).items() for s, k in entries if s > 0)
+    return ValidationInputs(
+        profile="",
+        spec=spec,
+        step_times=tuple(t(k) for k in factors),
+        allreduce_s=TRUTH["allreduce_s"],
+        ddp_overhead_s=TRUTH["ddp_overhead_s"],
+        events=events,
+        factors=factors,
+        noop_s=TRUTH["noop_s"],
+        round_overhead_s=TRUTH["round_overhead_s"],
+        first_step_s=TRUTH["first_step_s"],
+        epoch_overhead_s=TRUTH["epoch_overhead_s"],
+        load=(TRUTH["load"],) * 2,
+        load_time_s=TRUTH["load_time_s"],
+        samples=samples,
+        noise=0.1,
+    )
+
+
+def _fake_results(path: Path, repeats: int = 2, samples: int = 16384, with_history: bool = True) -> Path:
+    """A benchmarks.heterogeneous JSON whose runs the simulator made from TRUTH (histories as the strategy's)."""
+    profiles = {}
+    for p, (profile, spec) in enumerate(PROFILE_SPECS.items()):
+        truth = _truth_inputs(spec, samples)
+        configs = {}
+        for c, (name, paradigm) in enumerate(CONFIGS.items()):
+            runs = []
+            for rep in range(repeats):
+                res = simulate_config(truth, paradigm, seed=1000 + 100 * p + 10 * c + rep, record_batch_size=64)
+                run = {
+                    "strategy": name,
+                    "epochs": truth.epochs,
+                    "train_wall_s": res.wall_s,
+                    "samples": float(samples),
+                    "samples_per_s": samples / res.wall_s,
+                    "curve": [[t, 0.1, 0.9] for t in res.validation_s],
+                    "rounds": 0 if name == "ddp" else len(res.history),
+                    "schedule": None if name == "ddp" else list(res.final_local_steps),
+                    "cluster": [{"solo_step_s": TRUTH["solo_s"], "start_factor": k} for k in truth.factors],
+                }
+                if name != "ddp":
+                    history = res.history if with_history else []
+                    run.update(history=history, step_time_s=list(truth.step_times), allreduce_s=truth.allreduce_s)
+                runs.append(run)
+            walls = sorted(r["train_wall_s"] for r in runs)
+            configs[name] = {
+                "median_train_wall_s": float(np.median(walls)),
+                "median_samples_per_s": float(np.median([r["samples_per_s"] for r in runs])),
+                "schedule": runs[-1]["schedule"],
+                "runs": runs,
+            }
+        profiles[profile] = {"base_step_s": TRUTH["step_s"], "target_acc": 0.9, "configs": configs}
+    data = {"meta": {"repeats": repeats, "epochs": 4, "ranks": 2, "profiles": PROFILE_SPECS}, "profiles": profiles}
     path.write_text(json.dumps(data))
     return path
 
 
-def test_validation_reads_optional_fields_and_cli_overrides(tmp_path):
-    path = _fake_results(tmp_path, {"step_time_s": [0.004, 0.011], "allreduce_s": 0.002})
+@pytest.fixture(scope="module")
+def fake_results(tmp_path_factory):
+    return _fake_results(tmp_path_factory.mktemp("bench") / "heterogeneous.json")
+
+
+def test_validation_recovers_the_inputs_it_was_generated_with(fake_results):
+    results = json.loads(fake_results.read_text())
+    machine = machine_inputs(results, {"seeds": 2})
+    assert machine["samples"] == 16384 and machine["epochs"] == 4 and machine["val_check_interval"] == 0.25
+    assert machine["noop_s"] == pytest.approx(TRUTH["noop_s"], abs=2e-4)
+    assert machine["round_overhead_s"] == pytest.approx(TRUTH["round_overhead_s"], abs=3e-4)
+    assert machine["first_step_s"] == pytest.approx(TRUTH["first_step_s"], rel=0.15)
+    assert machine["epoch_overhead_s"] == pytest.approx(TRUTH["epoch_overhead_s"], abs=0.015)
+    assert machine["ddp_overhead_s"] == pytest.approx(TRUTH["ddp_overhead_s"], abs=1e-3)
+    assert 0.02 < machine["load_time_s"] < 2.0
+    assert machine["sources"]["ddp_overhead_s"] == "fit to the homogeneous ddp runs"
+    steady = validation_inputs(results, "1x/3x", machine, config="oscars-exact-uniform")
+    assert steady.step_times == pytest.approx((0.008, 0.016), rel=0.05)
+    assert steady.allreduce_s == pytest.approx(TRUTH["allreduce_s"])
+    assert steady.load == pytest.approx((0.1, 0.1), abs=0.04)
+    assert steady.sources["step_times"] == "own runs"
+    swap = validation_inputs(results, "volatile", machine, config="oscars-exact-uniform")
+    # rank 0 is 1x for the first 1.5 s only, rank 1 3x: few rounds per regime, hence the looser tolerance
+    assert swap.step_times == pytest.approx((0.008, 0.016), rel=0.12)
+    assert [(r, s) for r, s, t in swap.events] == [(1, 1.5), (0, 1.5)]
+    assert [t for *_, t in swap.events] == pytest.approx([0.008, 0.016], rel=0.12)
+    assert swap.sources["step_times"].startswith("own runs, rounds split by speed regime")
+    # ddp has no step times of its own: the strategy runs', its emulated sleep re-scaled to its calibration
+    ddp = validation_inputs(results, "1x/3x", machine, config="ddp")
+    assert ddp.step_times == pytest.approx((0.008, 0.016), rel=0.05)
+    for run in results["profiles"]["1x/3x"]["configs"]["ddp"]["runs"]:
+        run["cluster"][1]["solo_step_s"] += 0.001
+    slower = validation_inputs(results, "1x/3x", machine, config="ddp")
+    assert slower.step_times[0] == ddp.step_times[0]
+    assert slower.step_times[1] == pytest.approx(ddp.step_times[1] + 2 * 0.001)
+
+
+def test_validation_predicts_the_generated_runs(fake_results, tmp_path):
+    report = validate_against(fake_results, {"seeds": 2})
+    assert set(report["profiles"]) == set(PROFILE_SPECS)
+    for profile in report["profiles"].values():
+        assert {r["config"] for r in profile["rows"]} == set(CONFIGS)
+        for row in profile["rows"]:
+            assert abs(row["error"]["train_s"]) < 0.08, (profile["spec"], row["config"], row["error"])
+            assert row["error"]["samples_per_s"] == pytest.approx(1 / (1 + row["error"]["train_s"]) - 1, abs=0.02)
+        assert profile["speedup_vs_ddp"]["oscars-exact-uniform"]["error"] == pytest.approx(0.0, abs=0.1)
+    assert report["max_abs_train_error"] < 0.08
+    subset = validate_against(fake_results, {"seeds": 1, "profiles": ["1x/3x"], "noop_s": 0.0})
+    assert list(subset["profiles"]) == ["1x/3x"] and subset["sources"]["noop_s"] == "cli"
+
+
+def test_validation_without_histories_and_of_the_old_format(tmp_path):
+    path = _fake_results(tmp_path / "r.json", repeats=1, samples=8192, with_history=False)
     results = json.loads(path.read_text())
-    inputs = validation_inputs(results, {})
-    assert inputs.step_times == (0.004, 0.011)
-    assert inputs.sources["step_times"] == "json" and inputs.sources["ddp_overhead_s"] == "default"
-    assert inputs.startup_s == pytest.approx(statistics.median([21.0 - 18.3, 8.3 - 5.1]))
-    override = validation_inputs(results, {"step_times": 0.002, "allreduce_s": 0.001})
-    assert override.step_times == pytest.approx((0.002, 0.006))  # a scalar is the unslowed time, x slowdown 1:3
-    assert override.sources["allreduce_s"] == "cli"
-
-    report = validate_against(path, {"seeds": 2})
-    rows = {r["strategy"]: r for r in report["rows"]}
-    assert set(rows) == {"ddp", "oscars"}
-    assert rows["oscars"]["measured"]["train_s"] == pytest.approx(5.1)
-    assert rows["oscars"]["measured"]["first_epoch_s"] == pytest.approx(5.1 / 4)
-    assert rows["oscars"]["measured"]["steady_epoch_s"] == pytest.approx(5.1 / 4)
-    assert len(rows["oscars"]["predicted"]["epoch_end_s"]) == 4
-    assert rows["oscars"]["error"]["train_s"] == pytest.approx(rows["oscars"]["predicted"]["train_s"] / 5.1 - 1)
-    assert report["speedup_vs_ddp"]["wall_s"]["predicted"] > 1.0
+    del results["profiles"]["homogeneous"], results["profiles"]["volatile"]
+    path.write_text(json.dumps(results))
+    machine = machine_inputs(results, {"seeds": 1})
+    assert machine["sources"]["noop_s"].startswith("default")
+    assert machine["sources"]["first_step_s"].startswith("ddp's first validation")
+    assert machine["ddp_overhead_s"] is None
+    report = validate_against(path, {"seeds": 1})
+    rows = {r["config"]: r for r in report["profiles"]["1x/3x"]["rows"]}
+    assert rows["local_sgd"]["inputs"]["step_times"] == pytest.approx([0.008, 0.016])
+    assert abs(rows["ddp"]["error"]["train_s"]) < 0.05  # fitted to itself
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"ddp": {"runs": []}, "oscars": {"runs": []}}))
+    with pytest.raises(ValueError, match="profiles"):
+        validate_against(old)
 
 
-def test_cli_writes_json_markdown_and_plot(tmp_path):
-    path = _fake_results(tmp_path, {})
+def test_cli_writes_json_markdown_and_plot(fake_results, tmp_path):
     out = tmp_path / "out"
-    report = main(
-        ["--validate", str(path), "--out", str(out), "--ranks", "8,16", "--steps-per-rank", "40", "--val-seeds", "1"]
-    )
+    argv = ["--validate", str(fake_results), "--out", str(out), "--ranks", "8,16", "--steps-per-rank", "40"]
+    report = main([*argv, "--val-seeds", "1", "--profiles", "homogeneous,1x/3x"])
     assert {p.name for p in out.iterdir()} == {"simulator.json", "simulator.md", "simulator.png"}
     saved = json.loads((out / "simulator.json").read_text())
     assert len(saved["scaling"]["rows"]) == 2 * len(MIXES)
-    assert saved["validation"]["sources"]["step_times"] == "default"
+    assert saved["validation"]["sensitivity"]["profile"] == "1x/3x"
+    assert set(saved["validation"]["profiles"]) == {"homogeneous", "1x/3x"}
     text = (out / "simulator.md").read_text()
-    assert "## Validation" in text and "### stragglers" in text
+    assert "## Validation" in text and "### 1x/3x" in text and "### stragglers" in text and "Sensitivity" in text
     first = report["scaling"]["rows"][0]
     assert first["oscars"]["fraction_of_ideal"] > first["bsp"]["fraction_of_ideal"]
-
-
-def test_slowdown_specs_and_malformed_runs_are_tolerated(tmp_path):
-    assert parse_slowdown("1:3", 2) == (1.0, 3.0)
-    assert parse_slowdown("1:1@0,3@10", 2) == (1.0, 3.0)
-    assert parse_slowdown({"2": 4}, 3) == (1.0, 1.0, 4.0)
-    results = {
-        "ddp": {"median_wall_s": 20.0, "runs": [{"curve": "broken"}, {"wall_s": 20.0}]},
-        "oscars": {"runs": [{"curve": [[1.0, 0.1, 0.9], [2.0, 0.1, 0.9]], "wall_s": 5.0, "samples": 32768}]},
-        "setup": {"slowdown": "1:2", "step_time_s": 0.01},
-    }
-    inputs = validation_inputs(results, {})
-    assert inputs.step_times == pytest.approx((0.01, 0.02))
-    assert inputs.epochs == 2 and inputs.samples == 32768 and inputs.startup_s == pytest.approx(3.0)
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(results))
-    rows = {r["strategy"]: r for r in validate_against(path, {"seeds": 1})["rows"]}
-    assert rows["ddp"]["measured"]["train_s"] is None and rows["ddp"]["error"]["train_s"] is None
-    assert rows["ddp"]["error"]["wall_s"] is not None
+    assert math.isfinite(first["oscars_oracle"]["throughput"])
