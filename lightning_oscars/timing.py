@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from typing import Protocol
 
 import torch
@@ -22,7 +23,8 @@ class StepTimeEstimator:
 
     The median ignores the odd slow step (a garbage-collection pause, a checkpoint write); the exponential
     moving average with weight ``smoothing`` on the newest round follows real drift within a few rounds.
-    Non-finite or non-positive samples are dropped and counted in :attr:`rejected`.
+    Non-finite or non-positive samples are dropped, counted in :attr:`rejected` and warned about once: a
+    broken measurement must neither crash training nor steer the schedule.
     """
 
     def __init__(self, smoothing: float = 0.5) -> None:
@@ -36,8 +38,15 @@ class StepTimeEstimator:
     def add(self, seconds: float) -> None:
         if math.isfinite(seconds) and seconds > 0.0:
             self._samples.append(seconds)
-        else:
-            self.rejected += 1
+            return
+        if not self.rejected:
+            warnings.warn(
+                f"oscars: ignoring a step time of {seconds!r} s (not a finite positive number); further ones are"
+                " only counted",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.rejected += 1
 
     @property
     def pending(self) -> int:

@@ -22,6 +22,9 @@ from lightning_oscars.solver import (
 )
 from lightning_oscars.timing import StepTimeEstimator
 
+# The estimator warns once per instance about the bad samples fed on purpose here.
+pytestmark = pytest.mark.filterwarnings("ignore:oscars. ignoring a step time:RuntimeWarning")
+
 T_MIN, T_MAX = 1e-6, 1e3
 REL = 1e-9  # relative slack of throughput comparisons (the solvers floor with the same relative slack)
 

@@ -17,10 +17,12 @@ def test_median_resists_outliers_and_ema_follows_drift():
     assert value == pytest.approx(0.3 - 0.2 / 8)
 
 
-def test_bad_samples_are_rejected():
+def test_bad_samples_are_rejected_with_one_warning():
     est = StepTimeEstimator()
-    for t in [math.nan, math.inf, -1.0, 0.0]:
-        est.add(t)
+    with pytest.warns(RuntimeWarning, match="ignoring a step time of nan") as caught:
+        for t in [math.nan, math.inf, -1.0, 0.0]:
+            est.add(t)
+    assert len(caught) == 1
     assert est.rejected == 4
     assert est.end_round() is None
     with pytest.raises(ValueError, match="smoothing"):
