@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint, Timer
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
@@ -63,8 +64,8 @@ Averaging = Literal["uniform", "samples"]
 # Per-rank fields of the control vector, then the global ones after all ranks' fields.
 _STEP_TIME, _SAMPLES, _COMPUTE, _ALLREDUCE, _GLOBAL_STEP = range(5)
 _PER_RANK = 5
-_WEIGHT, _STOP, _SIGTERM = range(3)
-_GLOBAL = 3
+_WEIGHT, _STOP, _SIGTERM, _REQUEUE = range(4)
+_GLOBAL = 4
 # Ranks whose measured step times differ by less than this are treated as equally fast (noise, not speed).
 _SNAP_TOLERANCE = 0.05
 # Collective timeout: well under NCCL's 30 minutes, yet long enough for a large checkpoint write.
@@ -201,6 +202,8 @@ class OscarsStrategy(DDPStrategy):
         self._known_times: list[float] = []
         self._pending_stop = False
         self._local_sigterm = False
+        self._local_requeue = False
+        self._requeue_handler: tuple[int, Any] | None = None
         self._timers: list[Timer] = []
         self._manual_steps_per_batch = 0
         self._failed = False  # this rank raised or its all-reduce broke: skip every further collective
@@ -555,6 +558,7 @@ class OscarsStrategy(DDPStrategy):
         control[g + _WEIGHT] = weight
         control[g + _STOP] = float(self._pending_stop or self._timer_expired())
         control[g + _SIGTERM] = float(self._local_sigterm)
+        control[g + _REQUEUE] = float(self._local_requeue)
 
         averager = self._get_averager()
         try:
@@ -629,6 +633,12 @@ class OscarsStrategy(DDPStrategy):
             trainer._signal_connector.received_sigterm = True
         self._slots_since_average = 0
         self._round_samples = 0
+        if summed[g + _REQUEUE] > 0.0 and self._requeue_handler is not None:
+            # A requeue signal (SLURM's SIGUSR1) reached some rank: run its handler now, on every rank at the same
+            # batch, so the checkpoint it writes meets matched collectives.
+            self._local_requeue = False
+            signum, handler = self._requeue_handler
+            handler(signum, None)
         self._clock.mark()
 
     def _get_averager(self) -> FlatAverager:
@@ -688,6 +698,27 @@ class OscarsStrategy(DDPStrategy):
                     previous(signum, frame)
 
             signal.signal(signal.SIGTERM, on_sigterm)
+            self._defer_requeue_signal(trainer)
+
+    def _defer_requeue_signal(self, trainer: Trainer) -> None:
+        """Run the requeue handler (Lightning's SLURM auto-requeue, or the user's) at a round boundary.
+
+        Lightning's handler saves a checkpoint (collectives) right inside the signal handler, i.e. wherever each
+        rank happens to be; with ranks at different local steps that would pair unrelated collectives.
+        """
+        environment = trainer._accelerator_connector.cluster_environment
+        signum = signal.SIGUSR1
+        if isinstance(environment, SLURMEnvironment) and environment.requeue_signal is not None:
+            signum = environment.requeue_signal
+        handler = signal.getsignal(signum)
+        if not callable(handler) or handler in (signal.SIG_IGN, signal.SIG_DFL):
+            return
+        self._requeue_handler = (signum, handler)
+
+        def on_requeue(received: int, frame: Any) -> None:
+            self._local_requeue = True
+
+        signal.signal(signum, on_requeue)
 
     def _timer_expired(self) -> bool:
         for timer in self._timers:

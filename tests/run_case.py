@@ -80,13 +80,13 @@ class SeenAtStep(Callback):
 class SendSignal(Callback):
     """Sends SIGTERM to this process at a given global step, on one rank (a preemption notice)."""
 
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step, self.sent_at = rank, step, None
+    def __init__(self, rank: int, step: int, signum: int = signal.SIGTERM) -> None:
+        self.rank, self.step, self.signum, self.sent_at = rank, step, signum, None
 
     def on_train_batch_end(self, trainer, pl_module, *args):
         if trainer.global_rank == self.rank and trainer.global_step == self.step and self.sent_at is None:
             self.sent_at = trainer.global_step
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
 
 
 class SeenPerEpoch(Callback):
@@ -297,6 +297,9 @@ def build(case: str, out: Path):
         module = ToyModule(step_cost=0.002, n=2048)
         kwargs.update(max_epochs=10_000, max_time={"seconds": seconds}, limit_val_batches=1)
         callbacks = [HeterogeneityEmulator(profiles, jitter=0.2)]
+    elif case == "requeue":  # a SLURM-style SIGUSR1 on rank 1 only; its handler writes a checkpoint
+        kwargs.update(default_root_dir=str(out), enable_checkpointing=True)
+        callbacks += [SendSignal(1, step=7, signum=signal.SIGUSR1)]
     elif case == "tiny_dataset":
         module = ToyModule(n=16, batch_size=16)
     else:
@@ -330,6 +333,14 @@ def main() -> None:
         ckpt = os.environ["OSCARS_TEST_CKPT"]
     elif case == "preempt_resume":
         ckpt = str(out / "preempt" / "on_exception.ckpt")
+    handled_at: list[int] = []
+    if case == "requeue":
+
+        def requeue(signum, frame):  # like Lightning's SLURM handler: a checkpoint (collectives) from a handler
+            handled_at.append(trainer.global_step)
+            trainer.save_checkpoint(out / f"requeue-{trainer.global_step}.ckpt")
+
+        signal.signal(signal.SIGUSR1, requeue)
     started = time.perf_counter()
     try:
         trainer.fit(module, ckpt_path=ckpt)
@@ -354,6 +365,7 @@ def main() -> None:
         lr=[g["lr"] for opt in trainer.optimizers for g in opt.param_groups],
         seen_at=seen_at.seen,
         seen_per_epoch=per_epoch.per_epoch,
+        handled_at=handled_at,
     )
     if isinstance(s, OscarsStrategy):
         result.update(

@@ -274,6 +274,14 @@ def test_sigterm_stops_all_ranks_at_a_round_boundary(receiver, tmp_path):
     assert checkpoint["oscars"]["local_steps"] == fast["schedule"]
 
 
+def test_requeue_signal_handler_runs_on_every_rank_at_one_round_boundary(tmp_path):
+    fast, slow = finished("requeue", tmp_path)  # rank 1 alone got SIGUSR1; a checkpoint in the handler
+    assert fast["handled_at"] == slow["handled_at"] and len(fast["handled_at"]) == 1
+    step = fast["handled_at"][0]
+    assert 7 <= step <= 7 + max(fast["history"][-1]["local_steps"])
+    assert (tmp_path / f"requeue-{step}.ckpt").exists()
+
+
 def test_resume_mid_epoch_uses_every_sample_once(tmp_path):
     first = finished("midepoch_first", tmp_path)
     assert (tmp_path / "steps" / "epoch=0-step=5.ckpt").exists()
