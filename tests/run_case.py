@@ -283,6 +283,7 @@ def build(case: str, out: Path):
     elif case in ("raise_rank1", "hang_rank1", "kill_rank1"):
         module = FaultyModule(case.split("_")[0], step_cost=0.004)
         strategy = OscarsStrategy(warmup_steps=2, timeout=timedelta(seconds=8))
+        callbacks = []  # no emulator: it would stretch the injected hang by its slowdown factor
     elif case == "soak":  # both ranks change speed at random every 2-4 s, for SOAK_SECONDS
         import random
 
