@@ -67,6 +67,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from benchmarks.task import parse_profile
 from lightning_oscars.partition import EpochPlan, planned_slots
 from lightning_oscars.solver import Schedule, snap_step_times, solve_schedule, solve_schedule_alg1
 
@@ -801,23 +802,6 @@ def scaling_study(cfg: StudyConfig, progress: Callable[[str], None] | None = Non
 
 
 # ---------------------------------------------------------------------------------------------- validation
-
-
-def parse_profile(spec: str) -> dict[int, list[tuple[float, float]]]:
-    """``"1:3"`` -> ``{1: [(0.0, 3.0)]}``; ``"1:3@0,1@3;0:1@0,3@3"``: ranks 0 and 1 swap speeds after 3 s.
-
-    The syntax of ``benchmarks.task.parse_profile`` (``rank:factor@start_s,...`` separated by ``;``), re-implemented
-    because that module imports torch. Entries are sorted by start time.
-    """
-    out: dict[int, list[tuple[float, float]]] = {}
-    for part in filter(None, str(spec).split(";")):
-        rank, profile = part.split(":")
-        entries = []
-        for item in profile.split(","):
-            factor, _, start = item.partition("@")
-            entries.append((float(start or 0.0), float(factor)))
-        out[int(rank)] = sorted(entries)
-    return out
 
 
 def parse_slowdown(spec: str | Mapping[Any, Any], n: int, at_s: float = math.inf) -> tuple[float, ...]:

@@ -21,6 +21,8 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_oscars import SlowdownProfile
+
 
 def make_dataset(n: int, seed: int, dim: int = 32, classes: int = 10, noise: float = 1.6) -> TensorDataset:
     g = torch.Generator().manual_seed(1234)  # the task itself is fixed; `seed` draws the samples
@@ -45,14 +47,6 @@ def parse_profile(text: str) -> dict[int, list[tuple[float, float]]]:
     return out
 
 
-def factor_at(profile: dict[int, list[tuple[float, float]]], rank: int, elapsed: float) -> float:
-    factor = 1.0
-    for start, value in profile.get(rank, []):
-        if elapsed >= start:
-            factor = value
-    return factor
-
-
 class BenchModule(LightningModule):
     def __init__(
         self,
@@ -73,7 +67,7 @@ class BenchModule(LightningModule):
             nn.ReLU(),
             nn.Linear(hidden, 10),
         )
-        self.profile = parse_profile(slowdown)
+        self.profiles = {rank: SlowdownProfile(steps) for rank, steps in parse_profile(slowdown).items()}
         # (training seconds since the start, validation excluded; val loss; val acc)
         self.val_curve: list[tuple[float, float, float]] = []
         self.solo_step_s = 0.0  # this rank's pure-compute step time, before any emulated slowdown
@@ -88,6 +82,10 @@ class BenchModule(LightningModule):
     def train_clock(self) -> float:
         """Seconds of training since the start, validation excluded."""
         return time.perf_counter() - self._t0 - self._validation_s
+
+    def _factor_at(self, elapsed: float) -> float:
+        profile = self.profiles.get(self.global_rank)
+        return 1.0 if profile is None else profile.factor_at(elapsed)
 
     def forward(self, x):
         return self.net(x)
@@ -108,12 +106,12 @@ class BenchModule(LightningModule):
 
     def on_train_start(self) -> None:
         self.solo_step_s = self._calibrate()
-        self.start_factor = factor_at(self.profile, self.global_rank, 0.0)
+        self.start_factor = self._factor_at(0.0)
         self._t0 = time.perf_counter()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        factor = factor_at(self.profile, self.global_rank, self.train_clock())
+        factor = self._factor_at(self.train_clock())
         loss = nn.functional.cross_entropy(self(x), y)
         if factor > 1.0:
             time.sleep((factor - 1.0) * self.solo_step_s)

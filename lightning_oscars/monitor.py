@@ -109,10 +109,10 @@ class ScheduleMonitor(Callback):
         self._logged = len(_history(trainer))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
-        self._flush(trainer)
-        history = _history(trainer)
-        if self.prog_bar and history and trainer.world_size > 1:
-            last = history[-1]
+        # Only after a round ended: Lightning keeps showing progress-bar values until they are logged again, so
+        # the per-step hot path costs one length check.
+        if self._flush(trainer) and self.prog_bar and trainer.world_size > 1:
+            last = _history(trainer)[-1]
             strategy: Any = trainer.strategy
             tau = strategy._current_local_steps()[trainer.global_rank]
             # logger=False and no sync: a local value shown locally, never a collective.
@@ -128,13 +128,14 @@ class ScheduleMonitor(Callback):
         if self.summary and trainer.world_size > 1 and history:
             rank_zero_info(summarize_history(history))
 
-    def _flush(self, trainer: Trainer) -> None:
+    def _flush(self, trainer: Trainer) -> bool:
+        """Log the rounds recorded since the last call; return whether there were any."""
         history = _history(trainer)
         if len(history) <= self._logged:
-            return
+            return False
         new, self._logged = history[self._logged :], len(history)
         if not trainer.loggers:
-            return
+            return True
         per_rank = self.per_rank if self.per_rank is not None else trainer.world_size <= _PER_RANK_LIMIT
         for record in new:
             if record["round"] % self.log_every_n_rounds:
@@ -142,6 +143,7 @@ class ScheduleMonitor(Callback):
             metrics = round_metrics(record, per_rank)
             for logger in trainer.loggers:  # loggers write on global rank 0 only
                 logger.log_metrics(metrics, step=int(record["global_step"]))
+        return True
 
 
 def _history(trainer: Trainer) -> Sequence[dict[str, Any]]:
