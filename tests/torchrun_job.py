@@ -69,6 +69,11 @@ def main() -> None:
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    if "error" not in result and torch.distributed.is_initialized():
+        # Leave together and close the group: rank 0 hosts the rendezvous store, and a peer whose store client
+        # outlives it can abort at interpreter exit ("terminate called without an active exception").
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
