@@ -27,15 +27,19 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import Checkpoint, Timer
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -104,8 +108,17 @@ class OscarsStrategy(DDPStrategy):
             the progress bar, a summary at the end of fit) unless the trainer already has one.
         timeout: collective timeout (default 10 minutes): a hung rank is reported after at most this long; a
             rank that dies or raises is reported at once. Raise it if saving a checkpoint can take longer.
+        start_method: how Lightning starts the ranks (as for ``ddp``): ``"popen"`` re-runs the script.
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default NCCL on CUDA, gloo otherwise.
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer (torchrun, SLURM, ... are detected).
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
 
-    Remaining arguments are those of :class:`~lightning.pytorch.strategies.DDPStrategy`.
+    Options of the ``DistributedDataParallel`` wrapper (``find_unused_parameters``, ``static_graph``,
+    ``bucket_cap_mb``, ...) are accepted so that a ddp call site keeps working, and ignored with a warning:
+    oscars does not wrap the model. DDP gradient hooks (``ddp_comm_hook`` and friends) are an error.
     """
 
     strategy_name = "oscars"
@@ -129,13 +142,25 @@ class OscarsStrategy(DDPStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
-        **kwargs: Any,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        **ddp_wrapper_kwargs: Any,
     ) -> None:
-        for name in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"{name} is a DDP gradient-hook option; oscars does not wrap the model in DDP")
+        # Not forwarded to DDPStrategy: they configure a wrapper oscars does not use, and forwarding would make
+        # LightningCLI list every DistributedDataParallel argument among this strategy's options.
+        _check_ddp_wrapper_options(ddp_wrapper_kwargs)
         super().__init__(
-            timeout=timeout, start_method=start_method, process_group_backend=process_group_backend, **kwargs
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            timeout=timeout,
+            start_method=start_method,
+            process_group_backend=process_group_backend,
         )
         if solver not in ("exact", "alg1", "uniform"):
             raise ValueError(f"solver must be 'exact', 'alg1' or 'uniform', got {solver!r}")
@@ -794,6 +819,18 @@ class _RoundCallback(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Runs before checkpoint callbacks' on_exception, so that a failing rank saves without collectives.
         self.strategy.on_failure(exception)
+
+
+def _check_ddp_wrapper_options(options: dict[str, Any]) -> None:
+    """DDP gradient hooks would silently do nothing without the DDP wrapper: an error. The wrapper's other
+    options (``find_unused_parameters``, ``static_graph``, ...) are harmless to drop: a warning."""
+    hooks = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+    for name in hooks:
+        if options.get(name) is not None:
+            raise ValueError(f"{name} is a DDP gradient-hook option; oscars does not wrap the model in DDP")
+    ignored = sorted(name for name in options if name not in hooks)
+    if ignored:
+        rank_zero_warn("oscars does not wrap the model in DistributedDataParallel; ignoring " + ", ".join(ignored))
 
 
 def _skip(*args: Any, **kwargs: Any) -> None:

@@ -33,10 +33,16 @@ ATTRIBUTE = {
 }
 
 
+# Constructor arguments the Trainer fills in (as for every strategy): not options a config sets.
+PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+
+
 def _options() -> dict[str, object]:
-    """OscarsStrategy's own constructor options and their defaults (``**kwargs`` goes to DDPStrategy)."""
+    """OscarsStrategy's own constructor options and their defaults (``**kwargs`` are ignored DDP-wrapper options)."""
     params = inspect.signature(OscarsStrategy.__init__).parameters.values()
-    return {p.name: p.default for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD}
+    return {
+        p.name: p.default for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD and p.name not in PLUMBING
+    }
 
 
 def _load_example_cli():
@@ -178,6 +184,8 @@ def test_print_config_shows_every_option_with_default(example_cli, capsys):
         assert f"      {name}: " in out, f"{name} missing from --print_config"
         value = printed["init_args"][name]
         assert (_as_timedelta(value) if name == "timeout" else value) == default, name
+    # Only options that do something: none of the DistributedDataParallel wrapper's (oscars does not wrap).
+    assert set(printed["init_args"]) == set(_options()) | PLUMBING
 
 
 # ---------------------------------------------------------------- 2-rank fits

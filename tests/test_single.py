@@ -31,6 +31,27 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, name):
         OscarsStrategy(**kwargs)
 
 
+@pytest.mark.parametrize("hook", ["ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"])
+def test_ddp_gradient_hooks_are_rejected(hook):
+    with pytest.raises(ValueError, match=f"{hook} is a DDP gradient-hook option"):
+        OscarsStrategy(**{hook: print})
+
+
+def test_ddp_wrapper_options_are_ignored_with_a_warning():
+    # A ddp call site such as DDPStrategy(find_unused_parameters=True) keeps working when the class changes.
+    with pytest.warns(UserWarning, match="ignoring find_unused_parameters, static_graph"):
+        strategy = OscarsStrategy(static_graph=True, find_unused_parameters=True, max_spread=3)
+    assert strategy.max_spread == 3
+    assert not strategy._ddp_kwargs, "nothing reaches a DistributedDataParallel wrapper"
+
+
+def test_trainer_plumbing_reaches_ddp_strategy():
+    environment = lightning_oscars.strategy.SLURMEnvironment()
+    strategy = OscarsStrategy(cluster_environment=environment, parallel_devices=[torch.device("cpu")] * 2)
+    assert strategy.cluster_environment is environment
+    assert strategy.parallel_devices == [torch.device("cpu")] * 2
+
+
 def test_registered_names():
     for name in ("oscars", "oscars_alg1", "local_sgd"):
         assert name in StrategyRegistry
