@@ -34,9 +34,11 @@ Model and assumptions (what the numbers do and do not include):
 * Oscars mirrors ``OscarsStrategy``: a warm-up round of ``warmup_steps`` steps per rank; per averaging the
   median of each rank's step times, smoothed by an EMA (``smoothing``); the all-reduce cost the solver sees is
   the previous averaging's (0 at the first solve); step times within 5% of each other are snapped to their
-  group's slowest before the exact solver runs (``snap_step_times``); a re-solve happens when a rank's smoothed
-  time, or the all-reduce cost relative to the round (``|c_new - c_old| / (T + c_old)``), drifted by more than
-  ``rebalance_threshold``, and is adopted only if predicted ``min_gain`` faster; a new schedule re-plans the
+  group's slowest before the exact solver runs (``snap_step_times``); re-balancing is the strategy's own
+  function (``lightning_oscars.solver.rebalance``): a re-solve happens when a rank's smoothed time, or the
+  all-reduce cost relative to the round (``|c_new - c_old| / (T + c_old)``), drifted by more than
+  ``rebalance_threshold``, or when the cost first becomes known (the first solve saw 0), and is adopted only if
+  predicted ``min_gain`` faster; a new schedule re-plans the
   epoch at the next round boundary. The first epoch is sized as an upper bound (``total_units`` slots, speeds
   unknown) and cut to the slots it needs as soon as the first schedule is solved.
 * Validation (``--validate``, the ``{"meta", "profiles"}`` JSON of ``benchmarks.heterogeneous``): per profile
@@ -69,7 +71,7 @@ import numpy as np
 
 from benchmarks.task import parse_profile
 from lightning_oscars.partition import EpochPlan, planned_slots
-from lightning_oscars.solver import Schedule, snap_step_times, solve_schedule, solve_schedule_alg1
+from lightning_oscars.solver import Schedule, rebalance, snap_step_times, solve_schedule, solve_schedule_alg1
 
 __all__ = [
     "Cluster",
@@ -367,23 +369,11 @@ class OscarsPolicy:
             return True
         if not self.resolve:
             return False
-        # OscarsStrategy._update_schedule: drift of any rank's time against the (snapped) times solved for, or
-        # of the all-reduce cost relative to the round (the first schedule was solved at cost 0).
-        reference = np.asarray(self.schedule.step_times)
-        drift = float(np.max(np.abs(self._estimate - reference) / reference))
-        old_cost = self.schedule.allreduce_time
-        drift = max(drift, abs(known_cost - old_cost) / (self.schedule.period + old_cost))
-        if drift <= self.rebalance_threshold:
-            return False
-        current = self.schedule.evaluated_at(times, known_cost)
-        candidate = self._solve(times, known_cost)
-        if candidate.local_steps != current.local_steps and candidate.throughput > current.throughput * (
-            1.0 + self.min_gain
-        ):
-            self.schedule = candidate
-            return True
-        self.schedule = current  # new reference times: no re-solve until they drift again
-        return False
+        # OscarsStrategy._update_schedule: the same rule, the same function.
+        self.schedule, changed = rebalance(
+            self.schedule, times, known_cost, self._solve, self.rebalance_threshold, self.min_gain
+        )
+        return changed
 
 
 # ---------------------------------------------------------------------------------------------- engine

@@ -21,13 +21,15 @@ Two solvers are offered:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 __all__ = [
     "Schedule",
+    "rebalance",
+    "schedule_drift",
     "schedule_from_local_steps",
     "snap_step_times",
     "solve_schedule",
@@ -253,7 +255,9 @@ def solve_schedule(
     long_enough = breakpoints >= t_max * (1.0 - _EPS)
     # The spread is not monotone in T (it drops at multiples of t_max), so every breakpoint is checked.
     spread = np.floor(breakpoints / t_min + _EPS) - np.floor(breakpoints / t_max + _EPS)
-    feasible = last_of_equal & long_enough & (spread < max_spread)
+    # The cap is checked here too: t_upper's floating-point slack can admit a breakpoint at (cap + 1) * t_min.
+    capped = np.floor(breakpoints / t_min + _EPS) <= max_local_steps
+    feasible = last_of_equal & long_enough & capped & (spread < max_spread)
     if not feasible.any():  # spread bound tighter than any round allows: one step each
         return Schedule((1,) * len(times), times, float(allreduce_time))
     periods, totals = breakpoints[feasible], totals[feasible]
@@ -262,3 +266,41 @@ def solve_schedule(
     period = float(periods[shortest_good])
     steps = tuple(max(1, _steps_in(period, x)) for x in times)
     return Schedule(steps, times, float(allreduce_time))
+
+
+def schedule_drift(schedule: Schedule, step_times: Sequence[float], allreduce_time: float) -> float:
+    """How far the cluster moved since ``schedule`` was solved, as a fraction: the largest relative change of a
+    rank's step time, or of the all-reduce cost relative to the round. Infinite when the cost was unknown (0) at
+    the solve and is known now: the first schedule is solved before any all-reduce has been timed, and a cost
+    that is small next to the round can still make longer rounds worth it."""
+    times = validate_step_times(step_times)
+    if len(times) != len(schedule.step_times):
+        raise ValueError(f"step_times has {len(times)} entries, the schedule {len(schedule.step_times)}")
+    drift = max(abs(new - old) / old for new, old in zip(times, schedule.step_times))
+    old_cost = schedule.allreduce_time
+    if old_cost == 0.0 and allreduce_time > 0.0:
+        return math.inf
+    return max(drift, abs(allreduce_time - old_cost) / (schedule.period + old_cost))
+
+
+def rebalance(
+    schedule: Schedule,
+    step_times: Sequence[float],
+    allreduce_time: float,
+    solve: Callable[[Sequence[float], float], Schedule],
+    rebalance_threshold: float,
+    min_gain: float,
+) -> tuple[Schedule, bool]:
+    """The re-balancing rule: re-solve when :func:`schedule_drift` exceeds ``rebalance_threshold``, and adopt the
+    new schedule only if its local steps differ and it is predicted more than ``min_gain`` faster than keeping the
+    current local steps at the new times (hysteresis against flapping on noise).
+
+    Returns ``(schedule, changed)``. When nothing is adopted after a re-solve, the returned schedule keeps the
+    local steps but is priced at the new times, which become the reference for the next drift check."""
+    if schedule_drift(schedule, step_times, allreduce_time) <= rebalance_threshold:
+        return schedule, False
+    current = schedule.evaluated_at(step_times, allreduce_time)
+    candidate = solve(step_times, allreduce_time)
+    if candidate.local_steps != current.local_steps and candidate.throughput > current.throughput * (1.0 + min_gain):
+        return candidate, True
+    return current, False

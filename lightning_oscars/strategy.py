@@ -50,6 +50,7 @@ from lightning_oscars.monitor import ScheduleMonitor
 from lightning_oscars.partition import EpochPlan, Round, planned_slots
 from lightning_oscars.solver import (
     Schedule,
+    rebalance,
     schedule_from_local_steps,
     snap_step_times,
     solve_schedule,
@@ -684,23 +685,10 @@ class OscarsStrategy(DDPStrategy):
         if self.schedule is None:
             self.schedule = self._solve(times, self._allreduce_cost)
             return True
-        reference = self.schedule.step_times
-        drift = max(abs(new - old) / old for new, old in zip(times, reference))
-        # The all-reduce cost is first known after the first averaging (the first solve assumed it free):
-        # a cost that moved by a large share of the round also warrants a re-solve.
-        old_cost = self.schedule.allreduce_time
-        drift = max(drift, abs(self._allreduce_cost - old_cost) / (self.schedule.period + old_cost))
-        if drift <= self.rebalance_threshold:
-            return False
-        current = self.schedule.evaluated_at(times, self._allreduce_cost)
-        candidate = self._solve(times, self._allreduce_cost)
-        if candidate.local_steps != current.local_steps and candidate.throughput > current.throughput * (
-            1.0 + self.min_gain
-        ):
-            self.schedule = candidate
-            return True
-        self.schedule = current  # the new reference times: no re-solve until they drift again
-        return False
+        self.schedule, changed = rebalance(
+            self.schedule, times, self._allreduce_cost, self._solve, self.rebalance_threshold, self.min_gain
+        )
+        return changed
 
     # ------------------------------------------------------------------ per-batch collectives
 

@@ -3,12 +3,16 @@ whole process group (Lightning's launcher and torchrun start children of their o
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
 import subprocess
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,3 +73,28 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """Import an example script (not a package module) by its path, under ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextmanager
+def as_cli(script: Path) -> Iterator[None]:
+    """Run LightningCLI in-process as if ``script`` had been started: ``sys.argv`` names it (LightningCLI warns
+    when given args while ``sys.argv`` holds pytest's), and the PL_* variables ``seed_everything`` exports do not
+    leak into later tests."""
+    saved_argv, saved_env = sys.argv, dict(os.environ)
+    sys.argv = [str(script)]
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)

@@ -5,7 +5,6 @@ stems, the configs through LightningCLI, and a 2-rank oscars fit on the offline 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import os
 import pickle
 import sys
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torchvision
 import yaml
-from subproc import ROOT, run
+from subproc import ROOT, as_cli, load_script, run
 
 from lightning_oscars import HeterogeneityEmulator, OscarsStrategy
 
@@ -25,27 +24,15 @@ CONFIGS = ROOT / "examples" / "configs"
 TIMEOUT = 240
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location("oscars_cifar10_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def example():
-    return _load_example()
+    return load_script(EXAMPLE, "oscars_cifar10_example")
 
 
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch):
-    monkeypatch.setattr(sys, "argv", [str(EXAMPLE)])
-    saved = dict(os.environ)  # seed_everything exports PL_GLOBAL_SEED
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+def _isolated():
+    with as_cli(EXAMPLE):
+        yield
 
 
 # ---------------------------------------------------------------- offline data

@@ -4,9 +4,7 @@ option, and every config trains on 2 CPU ranks (subprocess, hard timeout)."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import inspect
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -15,7 +13,7 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch.strategies import DDPStrategy
-from subproc import ROOT, run
+from subproc import ROOT, as_cli, load_script, run
 
 from lightning_oscars import HeterogeneityEmulator, OscarsStrategy
 
@@ -45,29 +43,15 @@ def _options() -> dict[str, object]:
     }
 
 
-def _load_example_cli():
-    spec = importlib.util.spec_from_file_location("oscars_example_cli", CLI)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def example_cli():
-    return _load_example_cli()
+    return load_script(CLI, "oscars_example_cli")
 
 
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch):
-    # LightningCLI warns when it is given args while sys.argv holds pytest's own arguments.
-    monkeypatch.setattr(sys, "argv", [str(CLI)])
-    # seed_everything exports PL_GLOBAL_SEED / PL_SEED_WORKERS: keep them out of later tests.
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+def _isolated():
+    with as_cli(CLI):
+        yield
 
 
 def _cli(example_cli, config: str, tmp_path: Path, *overrides: str):

@@ -102,22 +102,25 @@ def test_noise_free_oscars_matches_the_solver_prediction():
     assert res.round_utilization == pytest.approx(schedule.utilization, rel=1e-9)
 
 
-def test_first_solve_is_at_cost_zero_and_a_large_cost_triggers_a_re_solve():
+def test_first_solve_is_at_cost_zero_and_the_known_cost_always_triggers_a_re_solve():
     # The strategy's first averaging carries no all-reduce time yet: the first schedule is solved at cost 0.
-    # From the second averaging on the cost is known; it counts as drift relative to the round
-    # (|c_new - c_old| / (T + c_old)), so a cost that is large against the round re-solves the schedule.
+    # At the next averaging the cost is known, and the schedule is re-solved whatever the drift threshold: a cost
+    # of 0.05 s is only 17% of the 0.3 s round (under the 20% threshold), yet rounds twice as long are 7.7% faster.
     times = (0.1, 0.3)
     small = OscarsPolicy()
-    simulate_oscars(Cluster(times), 400, allreduce_s=0.05, policy=small)  # 0.05 / 0.3 < 0.2: kept
-    assert small.solves == 1 and small.schedule.allreduce_time == 0.0
-    assert small.schedule.local_steps == solve_schedule(times, 0.0).local_steps == (3, 1)
-    large = OscarsPolicy()
-    res = simulate_oscars(Cluster(times), 400, allreduce_s=0.2, policy=large)
-    assert large.solves == 2 and large.schedule.allreduce_time == pytest.approx(0.2)
-    assert large.schedule.local_steps == solve_schedule(times, 0.2).local_steps != (3, 1)
+    res = simulate_oscars(Cluster(times), 400, allreduce_s=0.05, policy=small)
+    assert small.solves == 2 and small.schedule.allreduce_time == pytest.approx(0.05)
+    assert solve_schedule(times, 0.0).local_steps == (3, 1)
+    assert small.schedule.local_steps == solve_schedule(times, 0.05).local_steps == (6, 2)
     # warm-up (4, 4), the cost-0 schedule for one round, then the re-solved one
-    assert [steps for _, steps in res.schedule_changes] == [(4, 4), (3, 1), large.schedule.local_steps]
+    assert [steps for _, steps in res.schedule_changes] == [(4, 4), (3, 1), (6, 2)]
     assert res.schedule_changes[2][0] == 2
+    # Re-solved, but not adopted when the gain is below min_gain: the local steps stay, priced at the cost.
+    reluctant = OscarsPolicy(min_gain=0.1)
+    res = simulate_oscars(Cluster(times), 400, allreduce_s=0.05, policy=reluctant)
+    assert reluctant.solves == 2 and reluctant.schedule.local_steps == (3, 1)
+    assert reluctant.schedule.allreduce_time == pytest.approx(0.05)
+    assert [steps for _, steps in res.schedule_changes] == [(4, 4), (3, 1)]
 
 
 def test_equally_fast_ranks_are_snapped_before_the_exact_solver():
@@ -375,7 +378,8 @@ def test_validation_recovers_the_inputs_it_was_generated_with(fake_results):
     assert 0.02 < machine["load_time_s"] < 2.0
     assert machine["sources"]["ddp_overhead_s"] == "fit to the homogeneous ddp runs"
     steady = validation_inputs(results, "1x/3x", machine, config="oscars-exact-uniform")
-    assert steady.step_times == pytest.approx((0.008, 0.016), rel=0.05)
+    # The load (sigma 0.1, correlated over 0.2 s) leaves ~3% standard error on a few seconds of simulated run.
+    assert steady.step_times == pytest.approx((0.008, 0.016), rel=0.08)
     assert steady.allreduce_s == pytest.approx(TRUTH["allreduce_s"])
     assert steady.load == pytest.approx((0.1, 0.1), abs=0.04)
     assert steady.sources["step_times"] == "own runs"
@@ -387,7 +391,7 @@ def test_validation_recovers_the_inputs_it_was_generated_with(fake_results):
     assert swap.sources["step_times"].startswith("own runs, rounds split by speed regime")
     # ddp has no step times of its own: the strategy runs', its emulated sleep re-scaled to its calibration
     ddp = validation_inputs(results, "1x/3x", machine, config="ddp")
-    assert ddp.step_times == pytest.approx((0.008, 0.016), rel=0.05)
+    assert ddp.step_times == pytest.approx((0.008, 0.016), rel=0.08)
     for run in results["profiles"]["1x/3x"]["configs"]["ddp"]["runs"]:
         run["cluster"][1]["solo_step_s"] += 0.001
     slower = validation_inputs(results, "1x/3x", machine, config="ddp")

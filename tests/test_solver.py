@@ -4,7 +4,14 @@ import random
 
 import pytest
 
-from lightning_oscars.solver import Schedule, schedule_from_local_steps, solve_schedule, solve_schedule_alg1
+from lightning_oscars.solver import (
+    Schedule,
+    rebalance,
+    schedule_drift,
+    schedule_from_local_steps,
+    solve_schedule,
+    solve_schedule_alg1,
+)
 
 
 def brute_force(times, cost, max_spread, max_local_steps, tolerance):
@@ -155,3 +162,74 @@ def test_step_times_outside_the_plausible_range_are_rejected():
         solve_schedule([0.1, 1e308])
     with pytest.raises(ValueError, match=r"step_times\[0\]"):
         solve_schedule_alg1([5e-324, 0.1])
+
+
+# ---------------------------------------------------------------- re-balancing rule
+
+
+def _exact(times, cost):
+    return solve_schedule(times, cost, max_spread=8, max_local_steps=16, tolerance=0.05)
+
+
+def test_drift_is_the_largest_relative_move():
+    schedule = _exact((1.0, 2.0), 0.5)
+    assert schedule_drift(schedule, (1.0, 2.0), 0.5) == 0.0
+    assert schedule_drift(schedule, (1.3, 2.0), 0.5) == pytest.approx(0.3)
+    assert schedule_drift(schedule, (1.0, 1.0), 0.5) == pytest.approx(0.5)
+    # The all-reduce cost counts relative to the whole round.
+    assert schedule_drift(schedule, (1.0, 2.0), 0.5 + schedule.period) == pytest.approx(
+        schedule.period / (schedule.period + 0.5)
+    )
+    with pytest.raises(ValueError, match="1 entries, the schedule 2"):
+        schedule_drift(schedule, (1.0,), 0.5)
+
+
+def test_cost_known_for_the_first_time_always_triggers_a_re_solve():
+    # Solved after the warm-up, before any all-reduce was timed: cost 0, shortest good round.
+    first = _exact((1.0, 1.0, 2.5, 2.5), 0.0)
+    # A cost of 0.3 s moves less than the 20% threshold relative to the round ...
+    assert 0.3 / first.period < 0.2
+    assert schedule_drift(first, first.step_times, 0.3) == math.inf
+    # ... yet a re-solve priced with it picks longer rounds with more throughput, and is adopted.
+    schedule, changed = rebalance(first, first.step_times, 0.3, _exact, rebalance_threshold=0.2, min_gain=0.03)
+    assert changed and schedule.period > first.period
+    assert schedule.throughput > first.evaluated_at(first.step_times, 0.3).throughput * 1.03
+
+
+def test_rebalance_keeps_the_schedule_below_the_threshold():
+    schedule = _exact((1.0, 3.0), 0.1)
+    kept, changed = rebalance(schedule, (1.1, 3.0), 0.1, _exact, rebalance_threshold=0.2, min_gain=0.03)
+    assert kept is schedule and not changed
+
+
+def test_rebalance_adopts_a_faster_schedule_and_resets_the_reference_otherwise():
+    schedule = _exact((1.0, 3.0), 0.1)
+    # Rank 1 became as fast as rank 0: the old 3:1 split idles rank 0; the new schedule is adopted.
+    new, changed = rebalance(schedule, (1.0, 1.0), 0.1, _exact, rebalance_threshold=0.2, min_gain=0.03)
+    assert changed and new.local_steps[0] == new.local_steps[1]
+    # A drift that the solver answers with the same local steps: not adopted, priced at the new times.
+    slower = tuple(2 * t for t in schedule.step_times)
+    kept, changed = rebalance(schedule, slower, 0.2, _exact, rebalance_threshold=0.2, min_gain=0.03)
+    assert not changed and kept.local_steps == schedule.local_steps and kept.step_times == slower
+    assert schedule_drift(kept, slower, 0.2) == 0.0
+
+
+def test_rebalance_hysteresis_ignores_small_gains():
+    schedule = _exact((1.0, 3.0), 0.1)
+    times = (1.0, 2.5)
+    candidate = _exact(times, 0.1)
+    current = schedule.evaluated_at(times, 0.1)
+    assert candidate.local_steps != current.local_steps
+    gain = candidate.throughput / current.throughput - 1.0
+    adopted, changed = rebalance(schedule, times, 0.1, _exact, rebalance_threshold=0.1, min_gain=gain + 0.01)
+    assert not changed and adopted.local_steps == schedule.local_steps
+    adopted, changed = rebalance(schedule, times, 0.1, _exact, rebalance_threshold=0.1, min_gain=gain / 2)
+    assert changed and adopted.local_steps == candidate.local_steps
+
+
+def test_cap_holds_when_a_slower_rank_breaks_at_cap_plus_one_fast_steps():
+    # (cap + 1) * t_fast == t_slow: the slack that keeps k * t_i breakpoints exact must not admit that round.
+    assert solve_schedule([1.0, 0.5], 0.0, max_spread=2, max_local_steps=1, tolerance=0.0).local_steps == (1, 1)
+    for cap in range(1, 6):
+        schedule = solve_schedule([1.0, 1.0 / (cap + 1)], 0.0, max_spread=16, max_local_steps=cap, tolerance=0.0)
+        assert max(schedule.local_steps) <= cap, (cap, schedule)
