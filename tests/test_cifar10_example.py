@@ -258,6 +258,8 @@ def test_synthetic_cifar10_trains_on_two_ranks(tmp_path):
         "--config",
         str(CONFIGS / "cifar10_synthetic_cpu.yaml"),
         "--data.synthetic_train_size=1536",
+        # One worker process per rank: the balanced loader carries the user's worker settings to its inner loaders.
+        "--data.num_workers=1",
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
