@@ -1,0 +1,86 @@
+"""LoadBalancedLoader in-process: the user's worker settings reach the inner loaders, and what ranks train on
+does not depend on them; a mid-epoch re-plan keeps every sample exactly once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_oscars.loader import LoadBalancedLoader
+from lightning_oscars.partition import EpochPlan, planned_slots
+
+LOCAL_STEPS = (3, 1)
+
+
+class _WorkerTagged(Dataset):
+    """Item ``i`` with the id of the worker process that loaded it (-1 in the main process)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        info = torch.utils.data.get_worker_info()
+        return index, -1 if info is None else info.id
+
+
+def _epoch(dataset: Dataset, rank: int, **loader_kwargs) -> tuple[list[list[int]], list[bool], set[int]]:
+    """One epoch of ``rank``: the sample indices per real slot, which slots were real, the workers seen."""
+    user = DataLoader(dataset, batch_size=4, drop_last=True, **loader_kwargs)
+    loader = LoadBalancedLoader(user, rank=rank, world_size=2, shuffle=True, seed=3)
+    slots = planned_slots(LOCAL_STEPS, loader.total_units)
+    loader.set_plan(EpochPlan(2, loader.total_units, slots, LOCAL_STEPS))
+    loader.sampler.set_epoch(1)
+    batches, real, workers = [], [], set()
+    iterator = iter(loader)
+    for _ in range(slots):
+        indices, worker = next(iterator)
+        info = loader.slot_infos[-1]
+        real.append(info.real)
+        if info.real:
+            batches.append(indices.tolist())
+            workers.update(worker.tolist())
+    # The loader's length is an upper bound (the strategy ends the epoch at the plan's last slot): past the
+    # plan every slot is a no-op, then the iterator ends.
+    extra = [next(iterator) for _ in range(len(loader) - slots)]
+    assert all(not info.real for info in list(loader.slot_infos)[slots:]) and len(extra) == len(loader) - slots
+    with pytest.raises(StopIteration):
+        next(iterator)
+    return batches, real, workers
+
+
+def test_worker_settings_reach_the_inner_loader_and_change_nothing_trained():
+    dataset = _WorkerTagged()
+    for rank in (0, 1):
+        plain, plain_real, plain_workers = _epoch(dataset, rank)
+        workers, workers_real, seen = _epoch(dataset, rank, num_workers=2, persistent_workers=True, prefetch_factor=2)
+        assert plain_workers == {-1}
+        assert seen and seen <= {0, 1}, "batches must be loaded in worker processes"
+        assert workers == plain and workers_real == plain_real
+
+
+def test_ranks_share_the_epoch_exactly_once_in_speed_proportion():
+    fast, fast_real, _ = _epoch(_WorkerTagged(), 0)
+    slow, slow_real, _ = _epoch(_WorkerTagged(), 1)
+    assert len(fast_real) == len(slow_real), "every rank iterates the same number of slots"
+    seen = sorted(i for batch in fast + slow for i in batch)
+    assert seen == list(range(40)), "every sample exactly once per epoch"
+    assert len(fast) >= 2 * len(slow) > 0, (len(fast), len(slow))  # 3:1 local steps, last round partial
+
+
+def test_mid_epoch_replan_keeps_every_sample_once():
+    dataset = _WorkerTagged()
+    seen: list[int] = []
+    for rank in (0, 1):
+        user = DataLoader(dataset, batch_size=4, drop_last=True)
+        loader = LoadBalancedLoader(user, rank=rank, world_size=2, shuffle=True, seed=3)
+        plan = EpochPlan(2, loader.total_units, planned_slots(LOCAL_STEPS, loader.total_units), LOCAL_STEPS)
+        loader.set_plan(plan)
+        iterator = iter(loader)
+        for slot in range(plan.total_slots):
+            if slot == 3:  # the second round starts: speeds swapped
+                plan.replan(3, (1, 3))
+            indices, _ = next(iterator)
+            if loader.slot_infos[-1].real:
+                seen.extend(indices.tolist())
+    assert sorted(seen) == list(range(40))
