@@ -24,10 +24,10 @@ taking more local steps):
   ``every_n_train_steps`` and the LR are the same on all ranks at the same batch.
 * **Epoch length and estimated_stepping_batches.** The training data are split in proportion to speed (rank
   ``i`` gets ``tau_i`` batches per round) instead of by ``DistributedSampler``, and the epoch has as many
-  slots as the busiest rank needs. Before the speeds are known (first epoch) this is an upper bound, so
-  ``estimated_stepping_batches`` is an upper bound too: a OneCycle / cosine schedule sized from it never
-  overruns, but under oscars it ends before reaching its final LR. ``interval="epoch"`` schedules are
-  unaffected.
+  slots as the busiest rank needs. ``estimated_stepping_batches`` is computed before the speeds are known, from
+  an upper bound on that (no schedule needs more), so a OneCycle / cosine schedule sized from it never
+  overruns, but under oscars it ends before reaching its final LR (here: 182 of 242 steps). Pinned
+  ``step_times`` make it exact; ``interval="epoch"`` schedules are unaffected.
 * **self.log inside training_step.** ``on_step=True, sync_dist=True`` logs the rank-local value (the ranks run
   different numbers of steps, so a per-step reduction could never be matched); ``on_epoch=True`` values and
   everything logged in validation/test are reduced as under ddp.

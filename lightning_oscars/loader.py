@@ -98,6 +98,8 @@ class LoadBalancedLoader:
         self.num_batches = size // self.batch_size if self.drop_last else math.ceil(size / self.batch_size)
         self.batches_per_slot = batches_per_slot
         self.total_units = math.ceil(self.num_batches / batches_per_slot)
+        # Slots per epoch that no schedule exceeds; the strategy tightens it (see max_epoch_slots).
+        self.max_slots = self.total_units
         if self.total_units < world_size:
             raise ValueError(
                 f"The training set has {size} samples: {self.num_batches} batches of {self.batch_size}, fewer than"
@@ -120,7 +122,7 @@ class LoadBalancedLoader:
 
     def __len__(self) -> int:
         # An upper bound: the strategy shortens each epoch to its plan through trainer.num_training_batches.
-        return self.total_units * self.batches_per_slot
+        return self.max_slots * self.batches_per_slot
 
     def set_plan(self, plan: EpochPlan) -> None:
         self.plan = plan

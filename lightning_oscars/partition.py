@@ -23,7 +23,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["EpochPlan", "Round", "plan_rounds", "planned_slots", "round_quotas", "split_proportionally"]
+__all__ = [
+    "EpochPlan",
+    "Round",
+    "max_epoch_slots",
+    "plan_rounds",
+    "planned_slots",
+    "round_quotas",
+    "split_proportionally",
+]
 
 
 def split_proportionally(weights: Sequence[float], total: int, caps: Sequence[int], floors: Sequence[int]) -> list[int]:
@@ -150,6 +158,21 @@ def planned_slots(local_steps: Sequence[int], total_units: int) -> int:
     if left:
         slots += max(round_quotas(steps, left, max(steps)))
     return slots
+
+
+def max_epoch_slots(total_units: int, world_size: int, most_steps: int, last_round: int) -> int:
+    """The most slots an epoch of ``total_units`` can need when in every round the busiest rank takes at most
+    ``most_steps`` local steps and every other rank at least one (every schedule either solver returns).
+
+    A round whose busiest rank takes ``m`` steps lasts ``m`` slots and uses at least ``m + world_size - 1``
+    units, so it needs at most ``m / (m + world_size - 1)`` slots per unit, the most at ``m = most_steps``
+    (rounds where everybody takes the same steps need only ``1 / world_size``). Only the epoch's last round
+    can be partial: ``last_round`` bounds its slots. Never more than ``total_units``.
+    """
+    if world_size < 1 or most_steps < 1 or last_round < 0 or total_units < 0:
+        raise ValueError(f"invalid bound arguments: {total_units=}, {world_size=}, {most_steps=}, {last_round=}")
+    full = total_units * most_steps // (most_steps + world_size - 1)
+    return min(total_units, full + last_round)
 
 
 class EpochPlan:

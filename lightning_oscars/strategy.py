@@ -18,6 +18,7 @@ How a run proceeds (every rank, in lockstep on Lightning's batch counter):
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import signal
@@ -47,7 +48,7 @@ from lightning_oscars.averaging import FlatAverager, averaged_tensors
 from lightning_oscars.faults import FailureBoard, describe_collective_failure
 from lightning_oscars.loader import LoadBalancedLoader, SlotInfo
 from lightning_oscars.monitor import ScheduleMonitor
-from lightning_oscars.partition import EpochPlan, Round, planned_slots
+from lightning_oscars.partition import EpochPlan, Round, max_epoch_slots, planned_slots
 from lightning_oscars.solver import (
     Schedule,
     rebalance,
@@ -288,6 +289,10 @@ class OscarsStrategy(DDPStrategy):
         assert self.model is not None
         _sync_module_states(self.model)
 
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        _destroy_gloo_group_at_exit()
+
     def setup(self, trainer: Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING or not self.is_active:
@@ -350,9 +355,19 @@ class OscarsStrategy(DDPStrategy):
             seed=self.seed,
             batches_per_slot=trainer.accumulate_grad_batches,
         )
+        loader.max_slots = self._max_epoch_slots(loader.total_units)
         self._loader = loader
         self._plan_epoch = -1
         return loader
+
+    def _max_epoch_slots(self, total_units: int) -> int:
+        """The loader's length in slots: what Lightning reports as the epoch length (and so in
+        ``estimated_stepping_batches``) before the speeds are known, and the first epoch's initial size."""
+        fixed = self._initial_schedule()
+        if fixed is not None and not self._adaptive:  # pinned or fixed-period: every epoch's length is known
+            return planned_slots(fixed.local_steps, total_units)
+        most = min(self.max_spread, self.max_local_steps)
+        return max_epoch_slots(total_units, self.world_size, most, last_round=max(most, self.warmup_steps))
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         loader = self._loader
@@ -470,6 +485,8 @@ class OscarsStrategy(DDPStrategy):
             restored._starts = [r.start_slot for r in restored._rounds]
             self._plan = restored
             self._plan_epoch = int(state["plan_epoch"])
+            # A plan checkpointed under a looser bound (an older release) must still fit in the loader.
+            self._loader.max_slots = max(self._loader.max_slots, restored.total_slots)
 
     # ------------------------------------------------------------------ round logic (called by _RoundCallback)
 
@@ -491,9 +508,10 @@ class OscarsStrategy(DDPStrategy):
         if self._plan is None or self._plan_epoch != epoch:
             steps = self._current_local_steps()
             if self.schedule is None:
-                total_slots = loader.total_units  # speeds unknown: an upper bound; spare slots are no-ops
+                total_slots = loader.max_slots  # speeds unknown: an upper bound; spare slots are no-ops
             else:
-                total_slots = planned_slots(steps, loader.total_units)
+                # Never beyond the loader's length (its iterator ends there); a plan short of slots raises quotas.
+                total_slots = min(planned_slots(steps, loader.total_units), loader.max_slots)
             self._plan = EpochPlan(self.world_size, loader.total_units, total_slots, steps)
             self._plan_epoch = epoch
             self._plan_is_upper_bound = self.schedule is None
@@ -807,6 +825,30 @@ class _RoundCallback(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Runs before checkpoint callbacks' on_exception, so that a failing rank saves without collectives.
         self.strategy.on_failure(exception)
+
+
+_EXIT_HANDLER_REGISTERED = False
+
+
+def _destroy_gloo_group_at_exit() -> None:
+    """Destroy a gloo default process group when the interpreter exits, while it is still fully alive.
+
+    Left to interpreter finalisation, gloo's worker threads can still hold finished work whose tensors need the
+    GIL, and the process aborts ("terminate called without an active exception", exit code 134) after training
+    succeeded; seen here under ddp and oscars alike in about one run in three. Destroying is local for gloo (no
+    collective), so it cannot hang on a peer that already left. NCCL groups are left to the user and Lightning.
+    """
+    global _EXIT_HANDLER_REGISTERED
+    if _EXIT_HANDLER_REGISTERED:
+        return
+    _EXIT_HANDLER_REGISTERED = True
+
+    def destroy() -> None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def _check_ddp_wrapper_options(options: dict[str, Any]) -> None:

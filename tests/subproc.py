@@ -98,3 +98,11 @@ def as_cli(script: Path) -> Iterator[None]:
         sys.argv = saved_argv
         os.environ.clear()
         os.environ.update(saved_env)
+
+
+def assert_clean_exit(code: int | None, log: str, timeout: float) -> None:
+    """The launcher exited 0 within ``timeout`` and no rank aborted at interpreter exit (a rank other than 0 can
+    abort after the launcher's own rank succeeded: its message is then the only trace)."""
+    assert code is not None, f"no exit within {timeout}s (deadlock?)\n{log[-4000:]}"
+    assert code == 0, f"exit code {code}\n{log[-4000:]}"
+    assert "terminate called" not in log, f"a rank aborted at exit\n{log[-4000:]}"

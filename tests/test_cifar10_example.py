@@ -15,7 +15,7 @@ import pytest
 import torch
 import torchvision
 import yaml
-from subproc import ROOT, as_cli, load_script, run
+from subproc import ROOT, as_cli, assert_clean_exit, load_script, run
 
 from lightning_oscars import HeterogeneityEmulator, OscarsStrategy
 
@@ -265,8 +265,7 @@ def test_synthetic_cifar10_trains_on_two_ranks(tmp_path):
         f"--trainer.logger.init_args.save_dir={tmp_path}",
     ]
     code, log = run(cmd, timeout=TIMEOUT)
-    assert code is not None, f"no exit within {TIMEOUT}s (deadlock?)\n{log[-4000:]}"
-    assert code == 0, f"exit code {code}\n{log[-4000:]}"
+    assert_clean_exit(code, log, TIMEOUT)
 
     (metrics,) = list(tmp_path.rglob("metrics.csv"))
     with metrics.open() as f:

@@ -2,7 +2,14 @@ import random
 
 import pytest
 
-from lightning_oscars.partition import EpochPlan, plan_rounds, planned_slots, round_quotas, split_proportionally
+from lightning_oscars.partition import (
+    EpochPlan,
+    max_epoch_slots,
+    plan_rounds,
+    planned_slots,
+    round_quotas,
+    split_proportionally,
+)
 
 
 def all_units(plan_rounds_list, world_size):
@@ -95,3 +102,14 @@ def test_replan_with_shrink_cuts_an_upper_bound_epoch_and_keeps_every_unit():
     done = EpochPlan(2, 8, 8, (4, 4))
     done.replan(4, (3, 1), shrink=True)
     assert done.total_slots == 4 and done.units_used() == 8
+
+
+def test_epoch_slot_bound_examples():
+    # 2 ranks, spread bound 8: at most 8 slots per 9 units, plus one last partial round.
+    assert max_epoch_slots(256, 2, 8, last_round=8) == 256 * 8 // 9 + 8 == 235
+    # 64 ranks: a round of 8 slots uses at least 71 units.
+    assert max_epoch_slots(10_000, 64, 8, last_round=8) == 10_000 * 8 // 71 + 8 == 1134
+    assert max_epoch_slots(5, 4, 8, last_round=8) == 5  # never more than one slot per unit
+    assert max_epoch_slots(0, 4, 8, last_round=8) == 0
+    with pytest.raises(ValueError):
+        max_epoch_slots(10, 0, 8, last_round=8)

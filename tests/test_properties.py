@@ -12,7 +12,14 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lightning_oscars.partition import EpochPlan, plan_rounds, planned_slots, round_quotas, split_proportionally
+from lightning_oscars.partition import (
+    EpochPlan,
+    max_epoch_slots,
+    plan_rounds,
+    planned_slots,
+    round_quotas,
+    split_proportionally,
+)
 from lightning_oscars.solver import (
     Schedule,
     schedule_from_local_steps,
@@ -384,3 +391,23 @@ def test_estimator_drops_bad_samples_and_stays_within_the_good_ones(rounds, smoo
             # An EMA of medians is a convex combination of good samples: finite, positive, within their range.
             assert value is not None and math.isfinite(value) and value > 0.0
             assert min(good_so_far) * (1.0 - REL) <= value <= max(good_so_far) * (1.0 + REL)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 64),
+    most=st.integers(1, 16),
+    warmup=st.integers(1, 32),
+    total_units=st.integers(0, 5000),
+    data=st.data(),
+)
+def test_epoch_slot_bound_holds_for_every_schedule_within_it(n, most, warmup, total_units, data):
+    bound = max_epoch_slots(total_units, n, most, last_round=max(most, warmup))
+    assert 0 <= bound <= total_units
+    steps = data.draw(st.lists(st.integers(1, most), min_size=n, max_size=n))
+    assert planned_slots(steps, total_units) <= bound, steps
+    assert planned_slots([warmup] * n, total_units) <= bound  # the warm-up round's schedule
+    assert planned_slots([1] * n, total_units) <= bound  # the solvers' all-ones fallback
+    # The bound is attained up to the last round: one rank at `most`, the others at one step.
+    extreme = [most] + [1] * (n - 1)
+    assert bound - planned_slots(extreme, total_units) <= max(most, warmup) + most
