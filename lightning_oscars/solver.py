@@ -276,10 +276,10 @@ def schedule_drift(schedule: Schedule, step_times: Sequence[float], allreduce_ti
     times = validate_step_times(step_times)
     if len(times) != len(schedule.step_times):
         raise ValueError(f"step_times has {len(times)} entries, the schedule {len(schedule.step_times)}")
-    drift = max(abs(new - old) / old for new, old in zip(times, schedule.step_times))
     old_cost = schedule.allreduce_time
     if old_cost == 0.0 and allreduce_time > 0.0:
         return math.inf
+    drift = max(abs(new - old) / old for new, old in zip(times, schedule.step_times))
     return max(drift, abs(allreduce_time - old_cost) / (schedule.period + old_cost))
 
 

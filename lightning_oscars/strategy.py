@@ -363,8 +363,9 @@ class OscarsStrategy(DDPStrategy):
     def _max_epoch_slots(self, total_units: int) -> int:
         """The loader's length in slots: what Lightning reports as the epoch length (and so in
         ``estimated_stepping_batches``) before the speeds are known, and the first epoch's initial size."""
-        fixed = self._initial_schedule()
-        if fixed is not None and not self._adaptive:  # pinned or fixed-period: every epoch's length is known
+        if not self._adaptive:  # pinned or fixed-period: every epoch's length is known
+            fixed = self._initial_schedule()
+            assert fixed is not None
             return planned_slots(fixed.local_steps, total_units)
         most = min(self.max_spread, self.max_local_steps)
         return max_epoch_slots(total_units, self.world_size, most, last_round=max(most, self.warmup_steps))
