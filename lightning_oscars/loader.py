@@ -1,28 +1,40 @@
 """The training loader oscars substitutes for the user's: speed-proportional, round by round.
 
 :class:`LoadBalancedLoader` yields one item per Lightning batch on every rank, so Lightning's counters agree
-across ranks. In a slot where its rank trains it yields the next batch of the rank's share; in a slot where
-the rank idles it yields the previous batch object again (nothing is fetched or collated) and records that
-the slot is a no-op, which the strategy reads in ``batch_to_device``. Real batches come from an ordinary
-``DataLoader`` over the user's dataset (same collate function, workers, pinning) whose batch sampler is this
-rank's upcoming index lists; it is rebuilt only when the schedule changes.
+across ranks. In a slot where its rank trains it yields the next batch of the rank's share; in a slot where the
+rank idles it yields an *empty batch* (this rank's last real batch with every tensor cut to zero rows: nothing
+is fetched or collated, and a hook that counts samples counts none). Each yielded item is described by a
+:class:`SlotInfo` (real or no-op, samples, seconds spent fetching), which the strategy reads in
+``batch_to_device``.
+
+The epoch's order of samples comes from the user's sampler (:class:`EpochOrder`): sequential, a seeded
+permutation identical on every rank, or whatever a custom sampler (weighted, curriculum, ...) yields for the
+epoch. Real batches come from one inner ``DataLoader`` over the user's dataset (same collate function,
+workers, pinning) whose batch sampler is this rank's upcoming index lists; a re-plan hands it new lists and
+restarts its iterator, so ``persistent_workers=True`` keeps the worker processes for the whole fit.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
 
 from lightning_oscars.partition import EpochPlan
 
-__all__ = ["LoadBalancedLoader", "SlotInfo"]
+__all__ = ["EpochOrder", "LoadBalancedLoader", "SlotInfo", "empty_batch"]
 
-# DataLoader arguments carried over from the user's loader to the inner ones.
+# DataLoader arguments carried over from the user's loader to the inner one.
 _CARRIED = (
     "num_workers",
     "collate_fn",
@@ -37,14 +49,120 @@ _CARRIED = (
 )
 
 
+@dataclass(frozen=True)
 class SlotInfo:
-    """What one yielded batch is: a real step or a no-op, and how many samples it holds."""
+    """What one yielded batch is: a real step or a no-op, how many samples it holds, and the seconds spent
+    fetching it (``None`` when that time is not a step's: the first batch after worker start-up)."""
 
-    __slots__ = ("real", "samples")
+    real: bool
+    samples: int
+    fetch_seconds: float | None = 0.0
 
-    def __init__(self, real: bool, samples: int) -> None:
-        self.real = real
-        self.samples = samples
+
+def empty_batch(batch: Any) -> Any:
+    """``batch`` with every tensor of at least one dimension cut to zero rows (a no-op slot's batch)."""
+    return apply_to_collection(batch, Tensor, lambda t: t[:0] if t.dim() > 0 else t)
+
+
+class EpochOrder:
+    """The order in which an epoch visits the training samples, as the user's sampler defines it.
+
+    * ``"sequential"``: ``0 .. n-1`` (a ``SequentialSampler``, or an unshuffled ``DistributedSampler``);
+    * ``"permutation"``: a permutation seeded by ``seed + epoch``, identical on every rank (a ``RandomSampler``,
+      or the shuffling ``DistributedSampler`` Lightning injects);
+    * ``"sampler"``: whatever the user's own sampler yields this epoch (weighted, curriculum, with replacement,
+      ...), possibly not ``n`` indices. Only one rank may draw it (a sampler's random state differs between
+      ranks): :attr:`shared` tells the strategy to draw on rank 0 and broadcast.
+    """
+
+    def __init__(self, kind: str, num_samples: int, seed: int = 0, sampler: Sampler | None = None) -> None:
+        if kind not in ("sequential", "permutation", "sampler"):
+            raise ValueError(f"unknown epoch order {kind!r}")
+        if kind == "sampler" and sampler is None:
+            raise ValueError("a sampler order needs the sampler")
+        self.kind = kind
+        self.num_samples = num_samples
+        self.seed = seed
+        self.sampler = sampler
+
+    @property
+    def shared(self) -> bool:
+        """Whether ranks must share one rank's draw (they cannot reproduce it independently)."""
+        return self.kind == "sampler"
+
+    def draw(self, epoch: int) -> list[int]:
+        if self.kind == "sequential":
+            return list(range(self.num_samples))
+        if self.kind == "permutation":
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            return torch.randperm(self.num_samples, generator=generator).tolist()
+        assert self.sampler is not None
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        order = [int(i) for i in self.sampler]
+        if len(order) != self.num_samples:
+            raise ValueError(
+                f"The training sampler yielded {len(order)} indices this epoch but its length is {self.num_samples};"
+                " oscars sizes every epoch from len(sampler), which must match what it yields."
+            )
+        return order
+
+    @classmethod
+    def of(cls, sampler: object, dataset_size: int, seed: int | None) -> EpochOrder:
+        """The order the user's (possibly Lightning-wrapped) ``sampler`` asks for. ``seed`` (the strategy's, or
+        ``None`` to follow the sampler's or ``seed_everything``'s) seeds a shuffled order."""
+        if isinstance(sampler, DistributedSamplerWrapper):  # Lightning wrapped the user's custom sampler
+            return cls.of(sampler.dataset._sampler, dataset_size, seed)  # type: ignore[attr-defined]
+        if type(sampler) is DistributedSampler:  # injected by Lightning (or plain): its shuffle flag and seed
+            kind = "permutation" if sampler.shuffle else "sequential"
+            return cls(kind, dataset_size, sampler.seed if seed is None else seed)
+        if isinstance(sampler, DistributedSampler):
+            raise ValueError(
+                f"The training DataLoader uses {type(sampler).__name__}, a DistributedSampler subclass that yields"
+                " only this rank's share; oscars splits one epoch between ranks by speed itself. Pass the"
+                " underlying (non-distributed) sampler and let oscars partition it, or use strategy='ddp'."
+            )
+        if seed is None:
+            seed = _global_seed()
+        if isinstance(sampler, SequentialSampler):
+            return cls("sequential", dataset_size, seed)
+        if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+            return cls("permutation", dataset_size, seed)
+        if not isinstance(sampler, Sampler) and not hasattr(sampler, "__iter__"):
+            raise ValueError(f"strategy='oscars' cannot read the training sampler {sampler!r}")
+        try:
+            length = len(sampler)  # type: ignore[arg-type]
+        except TypeError:
+            raise ValueError(
+                f"The training sampler {type(sampler).__name__} has no length; oscars needs len(sampler) to plan"
+                " the epoch. Give it a __len__, or use strategy='ddp'."
+            ) from None
+        return cls("sampler", length, seed, sampler)  # type: ignore[arg-type]
+
+
+def _global_seed() -> int:
+    """The seed of ``seed_everything`` (Lightning exports it as ``PL_GLOBAL_SEED``), else 0."""
+    import os
+
+    value = os.environ.get("PL_GLOBAL_SEED")
+    try:
+        return int(value) if value is not None else 0
+    except ValueError:
+        return 0
+
+
+class _IndexLists:
+    """The inner loader's batch sampler: a list of index lists, replaced at every re-plan."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
 
 
 class _EpochSampler:
@@ -63,8 +181,9 @@ class LoadBalancedLoader:
     Args:
         dataloader: the user's loader; its dataset, batch size, ``drop_last`` and worker settings are used.
         rank, world_size: this process's place.
-        shuffle: shuffle the epoch's order (seeded by ``seed + epoch``, identical on every rank).
+        shuffle, seed: without ``order``: shuffle the epoch (seeded by ``seed + epoch``, identical on every rank).
         batches_per_slot: ``accumulate_grad_batches``.
+        order: the epoch order (see :class:`EpochOrder`); overrides ``shuffle`` and ``seed``.
     """
 
     def __init__(
@@ -72,9 +191,10 @@ class LoadBalancedLoader:
         dataloader: DataLoader,
         rank: int,
         world_size: int,
-        shuffle: bool,
-        seed: int,
+        shuffle: bool = False,
+        seed: int = 0,
         batches_per_slot: int = 1,
+        order: EpochOrder | None = None,
     ) -> None:
         dataset = dataloader.dataset
         if isinstance(dataset, IterableDataset):
@@ -91,34 +211,50 @@ class LoadBalancedLoader:
             size = len(dataset)  # type: ignore[arg-type]
         except TypeError:
             raise ValueError("strategy='oscars' needs a training dataset with a length (__len__)") from None
+        if order is None:
+            order = EpochOrder("permutation" if shuffle else "sequential", size, seed)
+        self.order = order
         self.dataset: Dataset = dataset
         self.batch_size = int(dataloader.batch_size)
         self.drop_last = bool(dataloader.drop_last)
-        self.num_samples = size
-        self.num_batches = size // self.batch_size if self.drop_last else math.ceil(size / self.batch_size)
+        self.num_samples = order.num_samples
+        self.num_batches = (
+            self.num_samples // self.batch_size if self.drop_last else math.ceil(self.num_samples / self.batch_size)
+        )
+        self.rank = rank
+        self.world_size = world_size
+        self.batches_per_slot = 1
+        self.set_batches_per_slot(batches_per_slot)
+        self.sampler = _EpochSampler()
+        loader_kwargs = {k: getattr(dataloader, k) for k in _CARRIED if hasattr(dataloader, k)}
+        if loader_kwargs.get("num_workers", 0) == 0:
+            for key in ("prefetch_factor", "persistent_workers", "timeout"):
+                loader_kwargs.pop(key, None)
+        self._loader_kwargs = loader_kwargs
+        self.uses_workers = loader_kwargs.get("num_workers", 0) > 0
+        self._feed = _IndexLists()
+        self._inner_loader = DataLoader(dataset, batch_sampler=self._feed, **loader_kwargs)
+        self.plan: EpochPlan | None = None
+        self.start_position = 0  # set by the strategy when Lightning resumes mid-epoch
+        self._order: list[int] | None = None
+        self._order_epoch = -1
+        self.slot_infos: deque[SlotInfo] = deque()
+
+    def set_batches_per_slot(self, batches_per_slot: int) -> None:
+        """Units of ``batches_per_slot`` batches (``accumulate_grad_batches``, which a callback may change
+        between epochs). The strategy sets :attr:`max_slots` again afterwards."""
+        if batches_per_slot < 1:
+            raise ValueError(f"batches_per_slot must be >= 1, got {batches_per_slot}")
         self.batches_per_slot = batches_per_slot
         self.total_units = math.ceil(self.num_batches / batches_per_slot)
         # Slots per epoch that no schedule exceeds; the strategy tightens it (see max_epoch_slots).
         self.max_slots = self.total_units
-        if self.total_units < world_size:
+        if self.total_units < self.world_size:
             raise ValueError(
-                f"The training set has {size} samples: {self.num_batches} batches of {self.batch_size}, fewer than"
-                f" one optimizer step for each of the {world_size} ranks per epoch. Use a smaller batch size or"
-                " fewer ranks."
+                f"The training set has {self.num_samples} samples: {self.num_batches} batches of {self.batch_size}"
+                f" in units of {batches_per_slot} (accumulate_grad_batches), fewer than one optimizer step for each"
+                f" of the {self.world_size} ranks per epoch. Use a smaller batch size or fewer ranks."
             )
-        self.rank = rank
-        self.world_size = world_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.sampler = _EpochSampler()
-        self._loader_kwargs = {k: getattr(dataloader, k) for k in _CARRIED if hasattr(dataloader, k)}
-        if self._loader_kwargs.get("num_workers", 0) == 0:
-            for key in ("prefetch_factor", "persistent_workers", "timeout"):
-                self._loader_kwargs.pop(key, None)
-        self.plan: EpochPlan | None = None
-        self.start_position = 0  # set by the strategy when Lightning resumes mid-epoch
-        self.slot_infos: deque[SlotInfo] = deque()
-        self.samples_seen = 0
 
     def __len__(self) -> int:
         # An upper bound: the strategy shortens each epoch to its plan through trainer.num_training_batches.
@@ -127,11 +263,31 @@ class LoadBalancedLoader:
     def set_plan(self, plan: EpochPlan) -> None:
         self.plan = plan
 
+    def start_epoch(self, plan: EpochPlan, epoch: int, order: Sequence[int] | None, start_position: int = 0) -> None:
+        """Hand the loader an epoch: its plan, its order of samples (``None``: draw it here) and the Lightning
+        batch to start from (non-zero when resuming mid-epoch)."""
+        self.plan = plan
+        self.sampler.epoch = epoch
+        self._order = list(order) if order is not None else self.order.draw(epoch)
+        if len(self._order) != self.num_samples:
+            raise ValueError(f"an epoch order of {len(self._order)} samples for a loader of {self.num_samples}")
+        self._order_epoch = epoch
+        self.start_position = start_position
+
     def epoch_order(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_samples))
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=generator).tolist()
+        if self._order is None or self._order_epoch != epoch:
+            self._order, self._order_epoch = self.order.draw(epoch), epoch
+        return self._order
+
+    def fetch(self, batches: Sequence[Sequence[int]]) -> Iterator[Any]:
+        """(Re)start the inner loader on ``batches`` (index lists); the same worker processes when persistent."""
+        self._feed.batches = [list(b) for b in batches]
+        return iter(self._inner_loader)
+
+    def fetch_one(self, indices: Sequence[int]) -> Any:
+        """One batch outside the epoch's stream, in this process (no worker start-up for a single batch)."""
+        kwargs = {k: v for k, v in self._loader_kwargs.items() if k in ("collate_fn", "pin_memory")}
+        return next(iter(DataLoader(self.dataset, batch_sampler=[list(indices)], **kwargs)))
 
     def __iter__(self) -> Iterator[Any]:
         return _EpochIterator(self)
@@ -140,20 +296,18 @@ class LoadBalancedLoader:
 class _EpochIterator:
     def __init__(self, owner: LoadBalancedLoader) -> None:
         self.owner = owner
-        self._order: list[int] | None = None
         # Index of the next Lightning batch in the epoch. Read at the first batch, not here: when resuming
         # mid-epoch Lightning creates the iterator before the strategy learns the restored position.
         self.position = -1
         self.last_batch: Any = None
         self._inner: Iterator[Any] | None = None
         self._inner_version = -1
+        self._fresh_inner = False
         owner.slot_infos.clear()
 
     def _indices(self, batch: int) -> list[int]:
-        if self._order is None:  # drawn lazily: Lightning calls set_epoch after creating the iterator
-            self._order = self.owner.epoch_order(self.owner.sampler.epoch)
         b = self.owner.batch_size
-        return self._order[batch * b : (batch + 1) * b]
+        return self.owner.epoch_order(self.owner.sampler.epoch)[batch * b : (batch + 1) * b]
 
     def _batch_at(self, position: int) -> int | None:
         """The epoch batch trained at Lightning batch ``position`` by this rank, or ``None`` for a no-op."""
@@ -173,7 +327,7 @@ class _EpochIterator:
         batch = unit * owner.batches_per_slot + within
         return batch if batch < owner.num_batches else None
 
-    def _rebuild_inner(self) -> None:
+    def _restart_inner(self) -> None:
         owner = self.owner
         plan = owner.plan
         assert plan is not None
@@ -182,9 +336,25 @@ class _EpochIterator:
             batch = self._batch_at(position)
             if batch is not None:
                 upcoming.append(self._indices(batch))
-        loader = DataLoader(owner.dataset, batch_sampler=upcoming, **owner._loader_kwargs)
-        self._inner = iter(loader)
+        self._inner = owner.fetch(upcoming)
         self._inner_version = plan.version
+        self._fresh_inner = True
+
+    def _real_batch(self, indices: list[int]) -> tuple[Any, float | None]:
+        owner = self.owner
+        if owner.plan is None:
+            started = time.perf_counter()
+            return owner.fetch_one(indices), time.perf_counter() - started
+        if self._inner is None or self._inner_version != owner.plan.version:
+            self._restart_inner()
+        assert self._inner is not None
+        started = time.perf_counter()
+        item = next(self._inner)
+        seconds: float | None = time.perf_counter() - started
+        if self._fresh_inner and owner.uses_workers:
+            seconds = None  # worker start-up or the prefetch pipeline refilling: not a step's data loading
+        self._fresh_inner = False
+        return item, seconds
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -197,25 +367,19 @@ class _EpochIterator:
             raise StopIteration
         batch = self._batch_at(self.position)
         if batch is None:
-            info = SlotInfo(False, 0)
             if self.last_batch is None:
                 # Only when resuming into a no-op slot: Lightning skips a None batch entirely (no step, no
-                # counters), so show the hooks a real batch of this rank's data, fetched once and not trained on.
-                indices = self._indices(owner.rank)
-                self.last_batch = next(iter(DataLoader(owner.dataset, batch_sampler=[indices], **owner._loader_kwargs)))
-            item = self.last_batch
+                # counters), so build the empty batch from a real batch of this rank's data, fetched once.
+                self.last_batch = owner.fetch_one(self._indices(min(owner.rank, owner.num_batches - 1)))
+            item = empty_batch(self.last_batch)
+            info = SlotInfo(False, 0, 0.0)
         else:
             indices = self._indices(batch)
-            if owner.plan is None:
-                item = DataLoader(owner.dataset, batch_sampler=[indices], **owner._loader_kwargs).__iter__().__next__()
-            else:
-                if self._inner is None or self._inner_version != owner.plan.version:
-                    self._rebuild_inner()
-                assert self._inner is not None
-                item = next(self._inner)
-            info = SlotInfo(True, len(indices))
-            owner.samples_seen += len(indices)
+            item, seconds = self._real_batch(indices)
+            info = SlotInfo(True, len(indices), seconds)
             self.last_batch = item
         self.position += 1
         owner.slot_infos.append(info)
         return item
+
+

@@ -16,11 +16,20 @@ Two solvers are offered:
   under the bounds, and returns the *shortest* round within ``tolerance`` of it: as frequent averaging as the
   cluster can afford. Cost: ``O(K log K)`` with ``K <= N * (max_local_steps + 1)`` breakpoints, vectorised
   with NumPy (about 0.5 ms for 1,024 ranks; see ``benchmarks/solver.py``).
+
+When the speeds are too far apart for the bounds (the fastest rank takes ``max_spread`` or more steps beyond the
+slowest, or more than ``max_local_steps``, already in the shortest round ``T = max t``; longer rounds only widen the
+gap), no round fills every rank. Both solvers then solve a *capped* problem instead of giving every rank one step:
+in a round of length ``T`` rank ``i`` takes ``tau_i(T) = min(floor(T / t_i), floor(T / max t) + max_spread - 1,
+max_local_steps)`` steps, so the fast ranks stop at the spread bound and idle for the rest of the round. The round
+is picked as in :func:`solve_schedule` (best throughput, then the shortest round within ``tolerance``; Algorithm 1
+uses no all-reduce cost and no tolerance), and a ``RuntimeWarning`` says so once per process.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +52,10 @@ _EPS = 1e-9
 _MIN_STEP_TIME, _MAX_STEP_TIME = 1e-9, 1e6
 # Periods Algorithm 1 evaluates per vectorised chunk (bounds memory at chunk x ranks floats).
 _ALG1_CHUNK = 256
+
+# Whether the capped fallback has warned in this process: strategies re-solve every few rounds, and a cluster
+# whose speeds break the bounds would otherwise repeat the same warning each time.
+_fallback_warned = False
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,92 @@ def _steps_in(period: float, step_time: float) -> int:
     return int(math.floor(period / step_time + _EPS))
 
 
+def _reset_fallback_warning() -> None:
+    """Let the next capped fallback warn again (the once-per-process guard would hide it from later tests)."""
+    global _fallback_warned
+    _fallback_warned = False
+
+
+def _capped_steps(period: float, times: Sequence[float], max_spread: int, max_local_steps: int) -> tuple[int, ...]:
+    """``tau_i(T)`` of the capped problem: fill the round, but no rank beyond the spread bound or the cap."""
+    slowest = _steps_in(period, max(times))
+    most = min(slowest + max_spread - 1, max_local_steps)
+    return tuple(max(1, min(_steps_in(period, x), most)) for x in times)
+
+
+def _capped_period(
+    t: np.ndarray, allreduce_time: float, max_spread: int, max_local_steps: int, tolerance: float
+) -> float:
+    """Round length ``T`` of the capped problem: best throughput, then the shortest round within ``tolerance``.
+
+    Candidates: write ``s = floor(T / t_max)`` (the slowest rank's steps, ``1 .. max_local_steps``; from
+    ``s = max_local_steps`` on every rank sits at the cap) and ``c_s = min(s + max_spread - 1, max_local_steps)``.
+    On ``[s t_max, (s + 1) t_max)`` the steps ``min(floor(T / t_i), c_s)`` change only at ``T = s t_max`` and at
+    the breakpoints ``k t_i`` with ``k <= c_s``; at each of those some rank exactly fills ``T``, so ``T`` is also
+    the round's period. Totals without an ``N x K`` evaluation: the total at ``s t_max`` directly (an ``s x N``
+    table), plus the breakpoints of the interval not yet counted there, up to ``T`` (their sorted position).
+    ``K <= N * max_local_steps`` breakpoints, ``O(K log K)`` like the exact solver.
+    """
+    t_max = float(t.max())
+    slowest = np.arange(1, max_local_steps + 1)
+    most = np.minimum(slowest + max_spread - 1, max_local_steps)
+    starts = slowest * t_max
+    start_totals = np.minimum(np.floor(starts[:, None] / t + _EPS), most[:, None]).sum(axis=1)
+
+    # A breakpoint k * t_i with k <= floor(t_max / t_i) is counted at the first start already: take k above that.
+    # The float is clipped before the cast: a fast rank can fill t_max with ~1e15 steps.
+    filled = np.minimum(np.floor(t_max / t + _EPS), max_local_steps).astype(np.int64)
+    counts = max_local_steps - filled
+    ranks = np.repeat(np.arange(len(t)), counts)
+    k = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + filled[ranks] + 1
+    values = k * t[ranks]
+    # The interval of each breakpoint (>= 1 as k * t_i > t_max; <= the cap as k <= cap and t_i <= t_max).
+    interval = np.minimum(np.floor(values / t_max + _EPS), max_local_steps).astype(np.int64) - 1
+    # Keep k within the interval's cap, and k not yet taken at the interval's start (otherwise it ties with it).
+    new = (k <= most[interval]) & (k > np.floor(starts[interval] / t[ranks] + _EPS))
+    order = np.argsort(values[new], kind="stable")
+    values, interval = values[new][order], interval[new][order]
+    # Sorting by value keeps every interval contiguous (the interval is a monotone function of the value).
+    seen = np.arange(1, len(values) + 1) - np.searchsorted(interval, interval, side="left")
+    totals = start_totals[interval] + seen
+    # Equal breakpoints: the last of them carries the full count. (Built in place: there may be none at all.)
+    last_of_equal = np.ones(len(values), dtype=bool)
+    last_of_equal[:-1] = (values[1:] > values[:-1] * (1.0 + _EPS)) | (interval[1:] != interval[:-1])
+
+    periods = np.concatenate([starts, values[last_of_equal]])
+    totals = np.concatenate([start_totals, totals[last_of_equal]])
+    order = np.argsort(periods, kind="stable")
+    periods, totals = periods[order], totals[order]
+    rates = totals / (periods + allreduce_time)
+    return float(periods[int(np.argmax(rates >= (1.0 - tolerance) * rates.max()))])
+
+
+def _capped_schedule(
+    times: tuple[float, ...], allreduce_time: float, max_spread: int, max_local_steps: int, tolerance: float
+) -> Schedule:
+    """The fallback of both solvers when no round satisfies the bounds; warns once per process."""
+    global _fallback_warned
+    period = _capped_period(np.asarray(times), allreduce_time, max_spread, max_local_steps, tolerance)
+    steps = _capped_steps(period, times, max_spread, max_local_steps)
+    schedule = Schedule(steps, times, allreduce_time)
+    if not _fallback_warned:
+        _fallback_warned = True
+        t_min, t_max = min(times), max(times)
+        fastest = _steps_in(t_max, t_min)
+        broken = [f"max_spread={max_spread}"] if fastest - 1 >= max_spread else []
+        broken += [f"max_local_steps={max_local_steps}"] if fastest > max_local_steps else []
+        warnings.warn(
+            f"oscars: step times from {t_min:.4g} s to {t_max:.4g} s break {' and '.join(broken)}: the fastest rank"
+            f" would take {fastest} steps while the slowest takes one. Using capped rounds of {schedule.period:.4g} s"
+            f" instead, local steps {min(steps)} (slowest) to {max(steps)} (fastest); faster ranks idle for the rest"
+            f" of the round. Raise {' and '.join(b.split('=')[0] for b in broken)} to let the fast ranks do more."
+            " Warned once per process.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return schedule
+
+
 def schedule_from_local_steps(
     local_steps: Sequence[int], step_times: Sequence[float] | None = None, allreduce_time: float = 0.0
 ) -> Schedule:
@@ -174,8 +273,12 @@ def solve_schedule_alg1(
     ``floor(T / min t) - floor(T / max t) < max_spread`` (the spread bound ``M``). On equal speeds that bound
     never fails, so the scan also stops once the fastest rank would exceed ``max_local_steps``: a guard the
     paper does not need to state but a terminating implementation does. ``increment`` defaults to 1% of
-    the fastest step time. Ties (waits within ``1e-9 * min t``) keep the smallest ``T``. If the bounds fail
-    already at ``T = max t`` (and so at every ``T``), every rank takes one step, as in :func:`solve_schedule`.
+    the fastest step time. Ties (waits within ``1e-9 * min t``) keep the smallest ``T``.
+
+    If the bounds fail already at ``T = max t`` (and so at every ``T``), the capped fallback of the module
+    docstring is used, with no all-reduce cost and no tolerance (the same schedule as
+    ``solve_schedule(step_times, 0.0, tolerance=0.0)`` with these bounds), and a ``RuntimeWarning`` is issued once
+    per process.
     """
     times = validate_step_times(step_times)
     _check_bounds(max_spread, max_local_steps)
@@ -207,8 +310,8 @@ def solve_schedule_alg1(
         if stop < len(periods):
             break
         start += _ALG1_CHUNK
-    if best_wait == math.inf:  # the bounds fail already at T = t_max, hence at every T: one step each
-        return Schedule((1,) * len(times), times)
+    if best_wait == math.inf:  # the bounds fail already at T = t_max, hence at every T: cap the fast ranks
+        return _capped_schedule(times, 0.0, max_spread, max_local_steps, 0.0)
     steps = tuple(max(1, _steps_in(best_period, x)) for x in times)
     return Schedule(steps, times)
 
@@ -222,6 +325,10 @@ def solve_schedule(
     tolerance: float = 0.05,
 ) -> Schedule:
     """Exact, communication-aware solver (see the module docstring).
+
+    When no round satisfies the bounds, the fast ranks are capped at the spread bound instead (the module
+    docstring's fallback, chosen with the same ``allreduce_time`` and ``tolerance``), and a ``RuntimeWarning`` is
+    issued once per process.
 
     Args:
         step_times: seconds per optimizer step of every rank.
@@ -258,8 +365,8 @@ def solve_schedule(
     # The cap is checked here too: t_upper's floating-point slack can admit a breakpoint at (cap + 1) * t_min.
     capped = np.floor(breakpoints / t_min + _EPS) <= max_local_steps
     feasible = last_of_equal & long_enough & capped & (spread < max_spread)
-    if not feasible.any():  # spread bound tighter than any round allows: one step each
-        return Schedule((1,) * len(times), times, float(allreduce_time))
+    if not feasible.any():  # the bounds fail at T = t_max, hence at every T: cap the fast ranks
+        return _capped_schedule(times, float(allreduce_time), max_spread, max_local_steps, tolerance)
     periods, totals = breakpoints[feasible], totals[feasible]
     rates = totals / (periods + allreduce_time)
     shortest_good = int(np.argmax(rates >= (1.0 - tolerance) * rates.max()))

@@ -32,7 +32,13 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.callbacks import Checkpoint, Timer
+from lightning.pytorch.callbacks import (
+    Checkpoint,
+    GradientAccumulationScheduler,
+    ThroughputMonitor,
+    Timer,
+    WeightAveraging,
+)
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
@@ -44,9 +50,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_oscars.averaging import FlatAverager, averaged_tensors
+from lightning_oscars.averaging import FlatAverager, agree_on_layout, averaged_tensors, optimizer_state_layout
+from lightning_oscars.epoch_metrics import align_epoch_metrics
 from lightning_oscars.faults import FailureBoard, describe_collective_failure
-from lightning_oscars.loader import LoadBalancedLoader, SlotInfo
+from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, SlotInfo, empty_batch
 from lightning_oscars.monitor import ScheduleMonitor
 from lightning_oscars.partition import EpochPlan, Round, max_epoch_slots, planned_slots
 from lightning_oscars.solver import (
@@ -98,14 +105,16 @@ class OscarsStrategy(DDPStrategy):
         max_local_steps: no rank takes more than this many local steps per round.
         efficiency_tolerance: the exact solver picks the shortest round whose predicted throughput is within
             this fraction of the best.
-        warmup_steps: local steps every rank takes in the first round, which is spent measuring step times.
+        warmup_steps: local steps every rank takes in the first round, which is spent measuring step times;
+            shortened to ``max_steps`` when the run is shorter (``fast_dev_run`` included).
         rebalance_threshold: re-solve when a rank's smoothed step time moved by more than this fraction from
             the times the schedule was solved for.
         min_gain: adopt a re-solved schedule only if it is predicted to be this fraction faster (hysteresis).
         smoothing: weight of the newest round in the step-time moving average.
         step_times: pin every rank's seconds per step (no profiling, one solve, reproducible).
         local_steps: pin every rank's local steps per round (no profiling, no solving).
-        seed: seed of the per-epoch shuffle of the training data.
+        seed: seed of the per-epoch shuffle of the training data; by default the seed of the sampler Lightning
+            injects, which follows ``seed_everything`` (``PL_GLOBAL_SEED``), else 0.
         monitor: add a :class:`~lightning_oscars.ScheduleMonitor` (per-round metrics to the loggers, ``tau`` in
             the progress bar, a summary at the end of fit) unless the trainer already has one.
         timeout: collective timeout (default 10 minutes): a hung rank is reported after at most this long; a
@@ -139,7 +148,7 @@ class OscarsStrategy(DDPStrategy):
         smoothing: float = 0.5,
         step_times: Sequence[float] | None = None,
         local_steps: Sequence[int] | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         monitor: bool = True,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -198,7 +207,9 @@ class OscarsStrategy(DDPStrategy):
         self.rebalance_threshold = float(rebalance_threshold)
         self.min_gain = float(min_gain)
         self.smoothing = float(smoothing)
-        self.seed = int(seed)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        self.seed = seed
         self.monitor = bool(monitor)
 
         self.schedule: Schedule | None = None
@@ -210,6 +221,7 @@ class OscarsStrategy(DDPStrategy):
 
     def _reset_run_state(self) -> None:
         self._estimator = StepTimeEstimator(self.smoothing)
+        self._warmup_steps = self.warmup_steps
         self._clock: LapClock | None = None
         self._averager: FlatAverager | None = None
         self._loader: LoadBalancedLoader | None = None
@@ -222,8 +234,9 @@ class OscarsStrategy(DDPStrategy):
         self._in_local_step = False
         self._slots_since_average = 0
         self._round_samples = 0
-        self._round_compute = 0.0
-        self._slot_laps: list[int] = []
+        self._slot_laps: list[tuple[int, float]] = []
+        self._noop_batch: Any = None
+        self._pending_accumulation = False
         self._last_allreduce = 0.0
         self._allreduce_cost = 0.0
         self._known_times: list[float] = []
@@ -231,6 +244,7 @@ class OscarsStrategy(DDPStrategy):
         self._local_sigterm = False
         self._local_requeue = False
         self._requeue_handler: tuple[int, Any] | None = None
+        self._patches: list[tuple[object, str, bool, Any]] = getattr(self, "_patches", [])
         self._timers: list[Timer] = []
         self._manual_steps_per_batch = 0
         self._failed = False  # this rank raised or its all-reduce broke: skip every further collective
@@ -247,10 +261,16 @@ class OscarsStrategy(DDPStrategy):
         """Local SGD is on: fitting with more than one rank."""
         return self.world_size > 1
 
+    @property
+    def slot_is_real(self) -> bool:
+        """Whether the batch in progress is a real local step of this rank (``False`` on a no-op slot, where hooks
+        see an empty batch and ``outputs == {}``; see the README's "No-op slots")."""
+        return self._slot.real
+
     def _current_local_steps(self) -> tuple[int, ...]:
         if self.schedule is not None:
             return self.schedule.local_steps
-        return (self.warmup_steps,) * self.world_size
+        return (self._warmup_steps,) * self.world_size
 
     def _initial_schedule(self) -> Schedule | None:
         n = self.world_size
@@ -310,11 +330,10 @@ class OscarsStrategy(DDPStrategy):
             )
         if trainer.overfit_batches > 0:  # type: ignore[attr-defined]
             raise ValueError("overfit_batches is not supported by strategy='oscars'; use strategy='ddp'")
-        if trainer.max_steps not in (-1, None) and 0 < trainer.max_steps < self.warmup_steps and self._adaptive:
-            raise ValueError(
-                f"warmup_steps={self.warmup_steps} is longer than the run (max_steps={trainer.max_steps});"
-                " lower warmup_steps or pin step_times/local_steps"
-            )
+        # A run shorter than the warm-up (fast_dev_run, a smoke test with max_steps=2) measures what it can.
+        self._warmup_steps = self.warmup_steps
+        if trainer.max_steps not in (-1, None) and 0 < trainer.max_steps < self.warmup_steps:
+            self._warmup_steps = trainer.max_steps
         self.schedule = self._initial_schedule()
         self._clock = make_clock(self.root_device)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
@@ -345,15 +364,22 @@ class OscarsStrategy(DDPStrategy):
             self._module
         ):
             raise ValueError("training_step(dataloader_iter) is not supported by strategy='oscars'")
-        sampler = dataloader.sampler
-        shuffle = bool(getattr(sampler, "shuffle", isinstance(sampler, torch.utils.data.RandomSampler)))
+        dataset = dataloader.dataset
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ValueError(
+                "strategy='oscars' partitions the training data by index and cannot split an IterableDataset;"
+                " use a map-style Dataset (with __len__ and __getitem__), or strategy='ddp'."
+            )
+        try:
+            size = len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise ValueError("strategy='oscars' needs a training dataset with a length (__len__)") from None
         loader = LoadBalancedLoader(
             dataloader,
             rank=self.global_rank,
             world_size=self.world_size,
-            shuffle=shuffle,
-            seed=self.seed,
-            batches_per_slot=trainer.accumulate_grad_batches,
+            batches_per_slot=_accumulation_at(trainer, trainer.current_epoch),
+            order=EpochOrder.of(dataloader.sampler, size, self.seed),
         )
         loader.max_slots = self._max_epoch_slots(loader.total_units)
         self._loader = loader
@@ -368,15 +394,27 @@ class OscarsStrategy(DDPStrategy):
             assert fixed is not None
             return planned_slots(fixed.local_steps, total_units)
         most = min(self.max_spread, self.max_local_steps)
-        return max_epoch_slots(total_units, self.world_size, most, last_round=max(most, self.warmup_steps))
+        return max_epoch_slots(total_units, self.world_size, most, last_round=max(most, self._warmup_steps))
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         loader = self._loader
-        if loader is not None and loader.slot_infos and self._module.trainer.training:
-            self._slot = loader.slot_infos.popleft()
-            if not self._slot.real:
-                return batch  # a no-op slot: nothing to move
-        return super().batch_to_device(batch, device, dataloader_idx)
+        if loader is None or not loader.slot_infos or not self._module.trainer.training:
+            return super().batch_to_device(batch, device, dataloader_idx)
+        self._slot = loader.slot_infos.popleft()
+        if not self._slot.real:
+            # A no-op slot: the empty batch of the last real one, already on the device (no transfer, no
+            # transfer hooks). Only a resume into a no-op slot moves its (empty) batch once.
+            if self._noop_batch is None:
+                self._noop_batch = empty_batch(super().batch_to_device(batch, device, dataloader_idx))
+            return self._noop_batch
+        assert self._clock is not None
+        # A real step's clock starts here and stops at the end of its on_train_batch_end hooks (before checkpoint
+        # callbacks); its data loading is added from the loader's own measurement. What Lightning does between
+        # steps (logging, validation, checkpoint writes) is never timed.
+        self._clock.mark()
+        moved = super().batch_to_device(batch, device, dataloader_idx)
+        self._noop_batch = empty_batch(moved)
+        return moved
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._in_local_step = self.is_active
@@ -431,7 +469,8 @@ class OscarsStrategy(DDPStrategy):
         return super().lightning_module_state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.is_active and self._module.trainer.state.fn == TrainerFn.FITTING:
+        trainer = self._trainer_or_none()
+        if self.is_active and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             checkpoint["oscars"] = self.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -441,7 +480,9 @@ class OscarsStrategy(DDPStrategy):
         return checkpoint
 
     def teardown(self) -> None:
+        self._remove_patches()
         self._loader = None
+        self._noop_batch = None
         self._averager = None
         super().teardown()
 
@@ -477,8 +518,9 @@ class OscarsStrategy(DDPStrategy):
         if self._adaptive and state.get("local_steps"):
             self.schedule = Schedule(tuple(state["local_steps"]), tuple(state["step_times"]), self._allreduce_cost)
             self._known_times = list(state.get("known_times") or [])
-            if state.get("estimate"):
-                self._estimator.value = float(state["estimate"])
+            # The checkpoint is written by rank 0; every rank's own agreed estimate rides in known_times.
+            if len(self._known_times) == self.world_size and self._known_times[self.global_rank] > 0.0:
+                self._estimator.value = float(self._known_times[self.global_rank])
         plan = state.get("plan")
         if plan is not None and self._loader is not None and plan["total_units"] == self._loader.total_units:
             restored = EpochPlan(self.world_size, plan["total_units"], plan["total_slots"], (1,) * self.world_size)
@@ -506,7 +548,13 @@ class OscarsStrategy(DDPStrategy):
         if loader is None:
             return
         epoch = trainer.current_epoch
-        if self._plan is None or self._plan_epoch != epoch:
+        accumulation = _accumulation_at(trainer, epoch)
+        if accumulation != loader.batches_per_slot:
+            # A GradientAccumulationScheduler changed the slot size: units, bounds and the plan follow.
+            loader.set_batches_per_slot(accumulation)
+            loader.max_slots = self._max_epoch_slots(loader.total_units)
+            self._plan = None
+        if self._plan is None or self._plan_epoch != epoch or self._plan.total_units != loader.total_units:
             steps = self._current_local_steps()
             if self.schedule is None:
                 total_slots = loader.max_slots  # speeds unknown: an upper bound; spare slots are no-ops
@@ -516,22 +564,26 @@ class OscarsStrategy(DDPStrategy):
             self._plan = EpochPlan(self.world_size, loader.total_units, total_slots, steps)
             self._plan_epoch = epoch
             self._plan_is_upper_bound = self.schedule is None
-        loader.set_plan(self._plan)
-        loader.start_position = resume_at
+        order = None
+        if loader.order.shared:
+            # A custom sampler's draw depends on its random state, which differs between ranks: rank 0 draws the
+            # epoch and every rank partitions that same draw (one collective per epoch, at its start, on all ranks).
+            order = self.broadcast(loader.order.draw(epoch) if self.global_rank == 0 else None, src=0)
+        loader.start_epoch(self._plan, epoch, order, start_position=resume_at)
         self._replan_pending = False
         self._size_epoch(trainer)
         self._slots_since_average = 0
         self._round_samples = 0
-        self._round_compute = 0.0
+        self._pending_accumulation = False
         if self._clock is not None:
             self._clock.drain()
-            self._clock.mark()
         self._slot_laps = []
 
     def _size_epoch(self, trainer: Trainer) -> None:
         """Tell Lightning how many batches this epoch has: the plan's slots (times accumulation), limited."""
         assert self._plan is not None
-        batches = self._plan.total_slots * trainer.accumulate_grad_batches
+        assert self._loader is not None
+        batches = self._plan.total_slots * self._loader.batches_per_slot
         trainer.fit_loop.max_batches = int(
             _parse_num_batches(RunningStage.TRAINING, batches, trainer.limit_train_batches)
         )
@@ -551,12 +603,13 @@ class OscarsStrategy(DDPStrategy):
         if trainer.should_stop:  # a rank-local stop request waits for the round boundary
             self._pending_stop = True
             trainer.should_stop = False
-        k = trainer.accumulate_grad_batches
+        assert self._loader is not None
+        k = self._loader.batches_per_slot
         slot = batch_idx // k
         if self._slot.real:
             assert self._clock is not None
             self._clock.lap()
-            self._slot_laps.append(slot)
+            self._slot_laps.append((slot, self._slot.fetch_seconds or 0.0))
             self._round_samples += self._slot.samples
         slot_done = (batch_idx + 1) % k == 0 or batch_idx + 1 >= trainer.num_training_batches
         if not slot_done or slot >= plan.total_slots:
@@ -567,27 +620,49 @@ class OscarsStrategy(DDPStrategy):
             if slot + 1 == rnd.end_slot:
                 self.average(trainer, next_round=rnd.end_slot)
 
+    def align_epoch_metrics(self, trainer: Trainer) -> None:
+        """Match the epoch-end ``sync_dist`` reductions across ranks (see ``epoch_metrics.py``): one small
+        collective at every training epoch end, on every rank."""
+        results = trainer._results
+        if not self.is_active or self._failed or results is None:
+            return
+
+        def gather(keys: dict[str, dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
+            everyone: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(everyone, keys)
+            return everyone
+
+        align_epoch_metrics(results, gather, self.reduce, self.root_device)
+
     def average_if_pending(self) -> None:
         """Average now if any rank trained since the last averaging (the same answer on every rank)."""
-        if not self.is_active or self._slots_since_average == 0 or self.lightning_module is None or self._failed:
+        if not self.is_active or self._slots_since_average == 0 or self._failed:
             return
-        trainer = self.lightning_module.trainer
-        if trainer.state.fn != TrainerFn.FITTING:
+        trainer = self._trainer_or_none()
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return
         self.average(trainer, next_round=None)
+
+    def _trainer_or_none(self) -> Trainer | None:
+        # After a spawn-launched fit the main process holds a module no longer attached to a Trainer, and
+        # LightningModule.trainer raises then.
+        module = self.lightning_module
+        return None if module is None else module._trainer
 
     def average(self, trainer: Trainer, next_round: int | None) -> None:
         """The round's one collective: average the model, exchange control data, maybe re-balance."""
         assert self._clock is not None
+        laps = self._clock.drain()  # on CUDA this waits for the rank's queued work: not part of the all-reduce
+        if self.root_device.type == "cuda":
+            torch.cuda.synchronize(self.root_device)
         started = time.perf_counter()
-        laps = self._clock.drain()
         per_slot: dict[int, float] = {}
-        for slot, seconds in zip(self._slot_laps, laps):
-            per_slot[slot] = per_slot.get(slot, 0.0) + seconds
+        for (slot, fetch), seconds in zip(self._slot_laps, laps):
+            per_slot[slot] = per_slot.get(slot, 0.0) + seconds + fetch
         self._slot_laps = []
         for seconds in per_slot.values():
             self._estimator.add(seconds)
-        compute = sum(laps)
+        compute = sum(per_slot.values())
         estimate = self._estimator.end_round()
 
         n, rank = self.world_size, self.global_rank
@@ -605,8 +680,8 @@ class OscarsStrategy(DDPStrategy):
         control[g + _SIGTERM] = float(self._local_sigterm)
         control[g + _REQUEUE] = float(self._local_requeue)
 
-        averager = self._get_averager()
         try:
+            averager = self._get_averager()
             summed = averager.all_reduce(weight, control, weight_index=g + _WEIGHT)
         except Exception as error:  # a peer died, raised or hung past the timeout: name it, then stop
             self._failed = True
@@ -684,15 +759,20 @@ class OscarsStrategy(DDPStrategy):
             self._local_requeue = False
             signum, handler = self._requeue_handler
             handler(signum, None)
-        self._clock.mark()
 
     def _get_averager(self) -> FlatAverager:
+        """The averager over what this round averages: trainable parameters, buffers, averaged copies of the model
+        kept by callbacks (EMA) and, if asked, the optimizer state every rank holds. Rebuilt when that set changes
+        (a parameter gets its first state; LBFGS replaces its state tensors)."""
+        extra = _averaged_copies(self._module.trainer)
         if self.average_optimizer_state:
-            tensors = averaged_tensors(self._module, self.optimizers)
-            if self._averager is None or self._averager.tensors != tensors:
-                self._averager = FlatAverager(tensors, self.world_size * _PER_RANK + _GLOBAL, self.root_device)
-        elif self._averager is None:
-            tensors = averaged_tensors(self._module)
+            # Which parameters have optimizer state differs between ranks (a head some rank never used): only the
+            # state every rank holds is averaged, so that all ranks pack buffers of one layout.
+            mask = agree_on_layout(optimizer_state_layout(self.optimizers), self.root_device)
+            tensors = averaged_tensors(self._module, self.optimizers, state_mask=mask, extra_modules=extra)
+        else:
+            tensors = averaged_tensors(self._module, extra_modules=extra)
+        if self._averager is None or not self._averager.holds(tensors):
             self._averager = FlatAverager(tensors, self.world_size * _PER_RANK + _GLOBAL, self.root_device)
         return self._averager
 
@@ -714,11 +794,16 @@ class OscarsStrategy(DDPStrategy):
     def _neutralise_per_batch_collectives(self, trainer: Trainer) -> None:
         # Lightning broadcasts a SIGTERM flag on every batch; ranks here run the same batches but must not meet
         # per batch. SIGTERM is exchanged in the round's all-reduce instead.
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
+        self._patch(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", lambda: None)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
         self._timers = [cb for cb in callbacks if isinstance(cb, Timer) and cb._interval == "step"]
         for timer in self._timers:
-            timer.on_train_batch_end = _skip  # type: ignore[method-assign]
+            self._patch(timer, "on_train_batch_end", _skip)
+        for callback in callbacks:
+            if isinstance(callback, ThroughputMonitor):
+                # It measures this rank's throughput (and requires its sample count to grow at every batch): a no-op
+                # slot trained nothing.
+                self._patch(callback, "on_train_batch_end", self._on_real_slots_only(callback.on_train_batch_end))
         if _is_main_thread():
             previous = trainer._signal_connector._original_handlers.get(signal.SIGTERM)
 
@@ -765,9 +850,17 @@ class OscarsStrategy(DDPStrategy):
         run_automatic, run_manual = automatic.run, manual.run
 
         def automatic_run(optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
+            stepping = not loop._should_accumulate()
             if self._slot.real:
+                self._pending_accumulation = not stepping
                 return run_automatic(optimizer, batch_idx, kwargs)
-            if not loop._should_accumulate():
+            if stepping and self._pending_accumulation:
+                # The slot's unit was partial (the epoch's last batches): its real batches ran first and their
+                # gradients wait for this step, as ddp applies a partial unit at the epoch's last batch.
+                self._pending_accumulation = False
+                device = self.root_device
+                automatic._optimizer_step(batch_idx, lambda: torch.zeros((), device=device))
+            elif stepping:
                 automatic.optim_progress.optimizer.step.increment_ready()
                 automatic.optim_progress.optimizer.step.increment_completed()
             return {}
@@ -784,8 +877,36 @@ class OscarsStrategy(DDPStrategy):
                 progress.increment_completed()
             return {}
 
-        automatic.run = automatic_run  # type: ignore[method-assign]
-        manual.run = manual_run  # type: ignore[method-assign]
+        self._patch(automatic, "run", automatic_run)
+        self._patch(manual, "run", manual_run)
+        connector = trainer._logger_connector
+        log_step = connector.update_train_step_metrics
+
+        def update_train_step_metrics() -> None:
+            if self._slot.real:  # a no-op slot logged nothing new: do not re-log the last real step's values
+                log_step()
+
+        self._patch(connector, "update_train_step_metrics", update_train_step_metrics)
+
+    def _on_real_slots_only(self, hook: Any) -> Any:
+        def on_real_slot(*args: Any, **kwargs: Any) -> Any:
+            return hook(*args, **kwargs) if self._slot.real else None
+
+        return on_real_slot
+
+    def _patch(self, owner: object, name: str, value: Any) -> None:
+        """Replace ``owner.name`` for this fit; :meth:`teardown` puts the original back."""
+        had_own = name in vars(owner)
+        self._patches.append((owner, name, had_own, vars(owner).get(name)))
+        setattr(owner, name, value)
+
+    def _remove_patches(self) -> None:
+        while self._patches:
+            owner, name, had_own, original = self._patches.pop()
+            if had_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
 
 
 class _EpochCallback(Callback):
@@ -813,11 +934,8 @@ class _RoundCallback(Callback):
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.average_if_pending()
 
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.strategy._clock is not None:
-            self.strategy._clock.mark()  # the next step's time must not include validation
-
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.align_epoch_metrics(trainer)
         self.strategy.average_if_pending()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -862,6 +980,27 @@ def _check_ddp_wrapper_options(options: dict[str, Any]) -> None:
     ignored = sorted(name for name in options if name not in hooks)
     if ignored:
         rank_zero_warn("oscars does not wrap the model in DistributedDataParallel; ignoring " + ", ".join(ignored))
+
+
+def _averaged_copies(trainer: Trainer) -> list[torch.nn.Module]:
+    """Averaged copies of the model that callbacks update from each rank's local weights (Lightning's EMA /
+    ``WeightAveraging``). Averaging them with the model each round keeps them equal on every rank: the mean of the
+    ranks' copies is then the same moving average of the mean model (the update is linear and runs at the same
+    global steps everywhere)."""
+    copies: list[torch.nn.Module] = []
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, WeightAveraging) and callback._average_model is not None:
+            copies.append(callback._average_model)
+    return copies
+
+
+def _accumulation_at(trainer: Trainer, epoch: int) -> int:
+    """``accumulate_grad_batches`` in force during ``epoch``: a GradientAccumulationScheduler sets it only in its own
+    ``on_train_epoch_start``, after oscars has sized the epoch, so ask the scheduler directly."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, GradientAccumulationScheduler):
+            return int(callback.get_accumulate_grad_batches(epoch))
+    return int(trainer.accumulate_grad_batches)
 
 
 def _skip(*args: Any, **kwargs: Any) -> None:

@@ -21,15 +21,21 @@ torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import (  # noqa: E402
+    BatchSizeFinder,
     Callback,
     EarlyStopping,
+    EMAWeightAveraging,
+    GradientAccumulationScheduler,
     LearningRateMonitor,
     ModelCheckpoint,
     OnExceptionCheckpoint,
+    StochasticWeightAveraging,
+    ThroughputMonitor,
 )
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
+from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler  # noqa: E402
 from toy import ToyModule, blobs  # noqa: E402
 
 import lightning_oscars  # noqa: E402,F401
@@ -180,6 +186,120 @@ class IterableModule(ToyModule):
         return DataLoader(IterableBlobs(), batch_size=8)
 
 
+class CountingModule(ToyModule):
+    """Counts the optimizer steps that really ran on this rank (the hook fires inside a real step only)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.optimizer_steps = 0
+        self.steps_per_epoch: list[int] = []
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.optimizer_steps += 1
+
+    def on_train_epoch_end(self) -> None:
+        self.steps_per_epoch.append(self.optimizer_steps - sum(self.steps_per_epoch))
+
+
+class Indexed(Dataset):
+    """blobs with each sample's index, so that tests can see which samples were trained."""
+
+    def __init__(self, n: int) -> None:
+        self.data = blobs(n)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data[i]
+        return x, y, i
+
+
+class IndexedModule(ToyModule):
+    """Records the sample indices trained in every epoch; ``sampler``: "weighted" (sample 0 weighs 1000) or None."""
+
+    def __init__(self, sampler: str | None = None, **kwargs) -> None:
+        super().__init__(n=100, batch_size=10, **kwargs)
+        self.sampler = sampler
+        self.trained: list[list[int]] = []
+
+    def on_train_epoch_start(self) -> None:
+        self.trained.append([])
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self.trained[-1].extend(idx.tolist())
+        return super().training_step((x, y), batch_idx)
+
+    def train_dataloader(self):
+        data = Indexed(self.n)
+        if self.sampler == "weighted":
+            weights = torch.ones(self.n)
+            weights[0] = 1000.0
+            sampler = WeightedRandomSampler(weights, num_samples=self.n, replacement=True)
+            return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+        return DataLoader(data, batch_size=self.batch_size, shuffle=True)
+
+
+class SlowCheckpointIO(TorchCheckpointIO):
+    """A checkpoint write that takes 0.15 s (a network file system)."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        time.sleep(0.15)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class ProbeModule(ToyModule):
+    """A step-interval StepLR and a sync_dist epoch value logged only at batch_idx % 3 == 1 (never on a rank whose
+    real slots are the first of every 3)."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx % 3 == 1:
+            self.log("rare", 1.0, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(batch[0]))
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class BatchProbe(Callback):
+    """What on_train_batch_end shows on real and no-op slots: (real, samples in the batch, outputs' keys)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, int, list[str]]] = []
+        self.throughput_samples = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        real = trainer.strategy.slot_is_real if isinstance(trainer.strategy, OscarsStrategy) else True
+        self.seen.append((real, int(batch[0].shape[0]), sorted(outputs or {})))
+
+    def on_train_end(self, trainer, pl_module):
+        for cb in trainer.callbacks:
+            if isinstance(cb, ThroughputMonitor):
+                self.throughput_samples = int(cb._samples.get("train", 0))
+
+
+class UnusedHeadModule(ToyModule):
+    """A head only rank 0 uses (rank 1's optimizer never holds state for it), and an int64 buffer beyond float32's
+    exact range."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.aux = nn.Linear(4, 4)
+        self.register_buffer("big", torch.tensor([16777217, 123456789, -(2**62) - 1], dtype=torch.int64))
+
+    def forward(self, x):
+        out = self.net(x)
+        return out + 0.1 * self.aux(out) if self.global_rank == 0 else out
+
+
+class LBFGSModule(ToyModule):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2, history_size=3)
+
+
 def build(case: str, out: Path):
     """Return (module, trainer kwargs, strategy) for a case."""
     module = ToyModule(step_cost=0.004)
@@ -301,6 +421,54 @@ def build(case: str, out: Path):
     elif case == "requeue":  # a SLURM-style SIGUSR1 on rank 1 only; its handler writes a checkpoint
         kwargs.update(default_root_dir=str(out), enable_checkpointing=True)
         callbacks += [SendSignal(1, step=7, signum=signal.SIGUSR1)]
+    elif case == "accumulate_partial":  # 10 batches in units of 4: the last unit holds 2 batches
+        module = CountingModule(n=160, batch_size=16)
+        strategy = OscarsStrategy(local_steps=[2, 1])
+        kwargs.update(max_epochs=1, accumulate_grad_batches=4)
+        callbacks = []
+    elif case == "accumulation_scheduler":
+        module = CountingModule(step_cost=0.004)
+        callbacks += [GradientAccumulationScheduler({1: 2})]
+    elif case in ("weighted_sampler", "user_sampler_no_dist"):
+        module = IndexedModule("weighted" if case == "weighted_sampler" else None)
+        strategy = OscarsStrategy(local_steps=[3, 1])
+        kwargs.update(max_epochs=2, use_distributed_sampler=case == "weighted_sampler")
+        callbacks = []
+    elif case == "slow_checkpoint_write":
+        module = ToyModule(step_cost=0.01, n=2048)
+        kwargs.update(max_epochs=1, enable_checkpointing=True, default_root_dir=str(out), plugins=[SlowCheckpointIO()])
+        callbacks += [ModelCheckpoint(dirpath=out / "steps", every_n_train_steps=20, save_top_k=-1)]
+    elif case == "builtin_callbacks":  # rank 0 is the one with no-op slots (1 of every 3 slots real)
+        module = ProbeModule()
+        strategy = OscarsStrategy(local_steps=[1, 3])
+        kwargs.update(max_epochs=2, logger=CSVLogger(out / "csv"), log_every_n_steps=1, enable_checkpointing=True)
+        callbacks = [
+            EMAWeightAveraging(decay=0.9),
+            ModelCheckpoint(dirpath=out / "steps", every_n_train_steps=7, save_top_k=-1),
+            LearningRateMonitor(logging_interval="step"),
+            ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0)),
+            BatchProbe(),
+        ]
+    elif case == "swa_and_accumulation":
+        module = CountingModule(step_cost=0.004)
+        kwargs.update(max_epochs=3)
+        callbacks += [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1), GradientAccumulationScheduler({2: 2})]
+    elif case == "optimizer_state_unused_head":
+        module = UnusedHeadModule(step_cost=0.004)
+        strategy = OscarsStrategy(warmup_steps=2, average_optimizer_state=True)
+    elif case == "optimizer_state_lbfgs":
+        module = LBFGSModule(step_cost=0.004)
+        strategy = OscarsStrategy(warmup_steps=2, average_optimizer_state=True)
+        kwargs.update(max_epochs=1)
+    elif case == "fast_dev_run":
+        strategy = OscarsStrategy()
+        kwargs.update(fast_dev_run=True)
+    elif case == "batch_size_finder":
+        callbacks += [BatchSizeFinder()]
+    elif case == "spawn_then_save":
+        strategy = OscarsStrategy(warmup_steps=2, start_method="spawn")
+        kwargs.update(max_epochs=1)
+        callbacks = []
     elif case == "tiny_dataset":
         module = ToyModule(n=16, batch_size=16)
     else:
@@ -348,6 +516,12 @@ def main() -> None:
     except (Exception, SystemExit) as error:  # noqa: BLE001 - reported to the test (SIGTERMException is a SystemExit)
         result["error"] = f"{type(error).__name__}: {error}"
         result["error_after_s"] = time.perf_counter() - started
+    if case == "spawn_then_save" and "error" not in result:
+        try:
+            trainer.save_checkpoint(out / "main.ckpt")
+            result["saved"] = (out / "main.ckpt").exists()
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            result["error"] = f"after fit: {type(error).__name__}: {error}"
     if case == "eval_after_fit" and "error" not in result:
         result["validate"] = trainer.validate(module, verbose=False)
         result["test"] = trainer.test(module, verbose=False)
@@ -368,6 +542,14 @@ def main() -> None:
         seen_per_epoch=per_epoch.per_epoch,
         handled_at=handled_at,
     )
+    for name in ("optimizer_steps", "steps_per_epoch", "trained"):
+        if hasattr(module, name):
+            result[name] = getattr(module, name)
+    if hasattr(module, "big"):
+        result["big"] = module.big.tolist()
+    for cb in trainer.callbacks:
+        if isinstance(cb, BatchProbe):
+            result.update(probe=cb.seen, throughput_samples=cb.throughput_samples)
     if isinstance(s, OscarsStrategy):
         result.update(
             history=s.history,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from lightning_oscars.partition import (
@@ -29,8 +29,12 @@ from lightning_oscars.solver import (
 )
 from lightning_oscars.timing import StepTimeEstimator
 
-# The estimator warns once per instance about the bad samples fed on purpose here.
-pytestmark = pytest.mark.filterwarnings("ignore:oscars. ignoring a step time:RuntimeWarning")
+# The estimator warns once per instance about the bad samples fed on purpose here, the solvers once per process
+# about speeds too far apart for the bounds.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:oscars. ignoring a step time:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:oscars. step times from:RuntimeWarning"),
+]
 
 T_MIN, T_MAX = 1e-6, 1e3
 REL = 1e-9  # relative slack of throughput comparisons (the solvers floor with the same relative slack)
@@ -73,6 +77,12 @@ def in_bounds(steps: tuple[int, ...], spread: int, cap: int) -> bool:
     return min(steps) >= 1 and max(steps) <= cap and max(steps) - min(steps) < spread
 
 
+def capped(period: float, times: list[float], spread: int, cap: int) -> tuple[int, ...]:
+    """The solvers' fallback rule: fill the round, but no rank beyond the slowest's steps + spread - 1, or the cap."""
+    most = min(math.floor(period / max(times) + 1e-9) + spread - 1, cap)
+    return tuple(max(1, min(math.floor(period / t + 1e-9), most)) for t in times)
+
+
 def assert_valid(schedule: Schedule, times: list[float], spread: int, cap: int) -> None:
     steps = schedule.local_steps
     assert len(steps) == len(times)
@@ -83,8 +93,10 @@ def assert_valid(schedule: Schedule, times: list[float], spread: int, cap: int) 
         assert max(steps) - min(steps) < spread
     else:
         # The bounds fail already at the shortest round T = max(t): they fail for every longer one too
-        # (the spread at k * t_max is at least k times the spread at t_max), so both solvers fall back to one step each.
-        assert steps == (1,) * len(times)
+        # (the spread at k * t_max is at least k times the spread at t_max), so both solvers fall back to capped
+        # rounds (it was one step each): the fast ranks stop at the spread bound, and the steps follow the round.
+        assert max(steps) - min(steps) < spread
+        assert steps == capped(schedule.period, times, spread, cap)
     # Faster ranks never get fewer steps; equally fast ranks get the same steps.
     for i in range(len(times)):
         for j in range(len(times)):
@@ -104,6 +116,13 @@ def brute_force_best(times: list[float], cost: float, spread: int, cap: int) -> 
                 rate = schedule_from_local_steps(steps, times, cost).throughput
                 best = rate if best is None else max(best, rate)
     return best
+
+
+def capped_brute_force_best(times: list[float], cost: float, spread: int, cap: int) -> float:
+    """Best throughput of the capped fallback over every round length that can change a rank's steps: ``k * t_i``
+    for ``k <= cap`` (beyond, the rank sits at the cap) and at least ``max(t)`` (every rank takes a step)."""
+    rounds = [k * t for t in times for k in range(1, cap + 1) if k * t >= max(times) * (1.0 - 1e-12)]
+    return max(schedule_from_local_steps(capped(T, times, spread, cap), times, cost).throughput for T in rounds)
 
 
 # ---------------------------------------------------------------------------------------------------- solvers
@@ -150,10 +169,31 @@ def test_equal_speeds(t, n, cost, spread, cap):
 def test_exact_solver_is_optimal_over_filled_rounds(times, cost, spread, cap):
     schedule = solve_schedule(times, cost, max_spread=spread, max_local_steps=cap, tolerance=0.0)
     best = brute_force_best(times, cost, spread, cap)
-    if best is None:
-        assert schedule.local_steps == (1,) * len(times)
+    if best is None:  # no round satisfies the bounds: the capped fallback, optimal too (it was one step each)
+        assert schedule.throughput == pytest.approx(capped_brute_force_best(times, cost, spread, cap), rel=REL)
     else:
         assert schedule.throughput == pytest.approx(best, rel=REL)
+
+
+@settings(max_examples=200, deadline=None)
+@given(times=step_times, cost=allreduce, spread=max_spread, cap=max_local_steps, tolerance=st.floats(0.0, 0.5))
+@example(times=[1.0, 9.0], cost=0.0, spread=8, cap=16, tolerance=0.05)  # was (1, 1): 4.5x slower than at [1, 8.99]
+@example(times=[1.0, 100.0], cost=0.0, spread=200, cap=16, tolerance=0.05)  # only the cap broken: was (1, 1)
+def test_fallback_when_no_round_satisfies_the_bounds(times, cost, spread, cap, tolerance):
+    assume(not in_bounds(filled(max(times), times), spread, cap))
+    exact = solve_schedule(times, cost, max_spread=spread, max_local_steps=cap, tolerance=tolerance)
+    alg1 = solve_schedule_alg1(times, spread, max_local_steps=cap)
+    for schedule in (exact, alg1):
+        steps = schedule.local_steps
+        assert min(steps) >= 1 and max(steps) <= cap
+        assert max(steps) - min(steps) < spread  # tau_fast - tau_slow < M
+        assert steps == capped(schedule.period, times, spread, cap)
+    # Algorithm 1 shares the fallback, solved without all-reduce cost and tolerance.
+    assert alg1 == solve_schedule(times, 0.0, max_spread=spread, max_local_steps=cap, tolerance=0.0)
+    # Never worse than one step each (the round T = max(t) is a candidate), within the tolerance.
+    ones = schedule_from_local_steps([1] * len(times), times, cost)
+    assert exact.throughput >= (1.0 - tolerance) * ones.throughput * (1.0 - REL)
+    assert solve_schedule(tuple(times), cost, max_spread=spread, max_local_steps=cap, tolerance=tolerance) == exact
 
 
 @settings(max_examples=150, deadline=None)

@@ -1,9 +1,11 @@
 import itertools
 import math
 import random
+import warnings
 
 import pytest
 
+from lightning_oscars import solver as solver_module
 from lightning_oscars.solver import (
     Schedule,
     rebalance,
@@ -12,6 +14,9 @@ from lightning_oscars.solver import (
     solve_schedule,
     solve_schedule_alg1,
 )
+
+# The capped fallback warns once per process; the tests that check the warning record it themselves.
+pytestmark = pytest.mark.filterwarnings("ignore:oscars. step times from:RuntimeWarning")
 
 
 def brute_force(times, cost, max_spread, max_local_steps, tolerance):
@@ -27,6 +32,26 @@ def brute_force(times, cost, max_spread, max_local_steps, tolerance):
     return best, feasible
 
 
+def capped_steps(period, times, spread, cap):
+    """The documented fallback rule: fill the round, but no rank beyond the slowest's steps + spread - 1, or cap."""
+    most = min(math.floor(period / max(times) + 1e-9) + spread - 1, cap)
+    return tuple(max(1, min(math.floor(period / t + 1e-9), most)) for t in times)
+
+
+def capped_brute_force(times, cost, spread, cap):
+    """(rate, period) of every round the fallback can choose, T at every multiple k * t_i from max(t) until all ranks
+    sit at the cap: no T is skipped where a rank's steps could change, so this also checks the solver's candidates."""
+    rounds = []
+    for t in times:
+        for k in range(1, math.ceil(cap * max(times) / t) + 2):
+            if k * t < max(times) * (1 - 1e-12):
+                continue
+            steps = capped_steps(k * t, times, spread, cap)
+            period = max(s * x for s, x in zip(steps, times))
+            rounds.append((sum(steps) / (period + cost), period))
+    return rounds
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_exact_solver_matches_brute_force(seed):
     rng = random.Random(seed)
@@ -36,8 +61,8 @@ def test_exact_solver_matches_brute_force(seed):
     spread, cap = rng.randint(2, 10), rng.randint(2, 12)
     schedule = solve_schedule(times, cost, max_spread=spread, max_local_steps=cap, tolerance=0.0)
     best, feasible = brute_force(times, cost, spread, cap, 0.0)
-    if not feasible:
-        assert schedule.local_steps == (1,) * n
+    if not feasible:  # the capped fallback (it was one step each)
+        assert schedule.throughput == pytest.approx(max(capped_brute_force(times, cost, spread, cap))[0], rel=1e-9)
         return
     assert schedule.throughput == pytest.approx(best, rel=1e-9)
     assert max(schedule.local_steps) <= cap
@@ -233,3 +258,106 @@ def test_cap_holds_when_a_slower_rank_breaks_at_cap_plus_one_fast_steps():
     for cap in range(1, 6):
         schedule = solve_schedule([1.0, 1.0 / (cap + 1)], 0.0, max_spread=16, max_local_steps=cap, tolerance=0.0)
         assert max(schedule.local_steps) <= cap, (cap, schedule)
+
+
+# ---------------------------------------------------------------- fallback when no round satisfies the bounds
+
+
+@pytest.mark.parametrize("solver", [solve_schedule, solve_schedule_alg1])
+def test_no_cliff_where_the_spread_bound_stops_being_satisfiable(solver):
+    # t_max / t_min = 8.99: the shortest round gives (8, 1), spread 7 < 8. At exactly 9 it gives (9, 1), spread 8,
+    # and no round satisfies the bound any more: the old fallback was (1, 1), 2/9 steps per second, 4.5x lower.
+    below = solver([1.0, 8.99], max_spread=8) if solver is solve_schedule else solver([1.0, 8.99], 8)
+    at = solver([1.0, 9.0], max_spread=8) if solver is solve_schedule else solver([1.0, 9.0], 8)
+    assert below.local_steps == at.local_steps == (8, 1)
+    assert at.throughput >= 0.97 * below.throughput
+    assert at.throughput > 4 * schedule_from_local_steps([1, 1], [1.0, 9.0]).throughput
+    far = solver([1.0, 50.0], max_spread=8) if solver is solve_schedule else solver([1.0, 50.0], 8)
+    assert far.local_steps == (8, 1) and max(far.idle_times) == pytest.approx(42.0)
+
+
+def test_fallback_prefers_longer_capped_rounds_when_the_all_reduce_is_expensive():
+    # With a 40 s all-reduce, longer rounds pay off: at best the slowest rank takes 9 steps, the fast one the cap.
+    best = solve_schedule([1.0, 9.0], 40.0, max_spread=8, tolerance=0.0)
+    assert best.local_steps == (16, 9)
+    assert best.throughput == pytest.approx(max(capped_brute_force([1.0, 9.0], 40.0, 8, 16))[0], rel=1e-12)
+    # Within 5% of that, the shortest round: the slowest rank takes 4 steps, the fast one 4 + 8 - 1 = 11.
+    short = solve_schedule([1.0, 9.0], 40.0, max_spread=8, tolerance=0.05)
+    assert short.local_steps == (11, 4) and short.throughput >= 0.95 * best.throughput
+
+
+def test_fallback_warns_once_per_process():
+    solver_module._reset_fallback_warning()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the guard, not Python's once-per-location filter, must hold it back
+        solve_schedule([1.0, 2.0])  # a feasible solve does not warn
+        assert not caught
+        for _ in range(5):
+            solve_schedule([1.0, 9.0], 0.1)
+            solve_schedule_alg1([1.0, 9.0])
+    assert len(caught) == 1 and caught[0].category is RuntimeWarning
+    message = str(caught[0].message)
+    assert "break max_spread=8" in message and "fastest rank would take 9 steps" in message
+    assert "local steps 1 (slowest) to 8 (fastest)" in message and "Raise max_spread" in message
+    assert caught[0].filename == __file__  # points at the caller of the solver
+    solver_module._reset_fallback_warning()
+    with pytest.warns(RuntimeWarning, match=r"break max_local_steps=4: .* Raise max_local_steps to"):
+        solve_schedule([1.0, 5.0], max_spread=16, max_local_steps=4)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_alg1_falls_back_to_the_same_capped_schedule(seed):
+    rng = random.Random(seed)
+    spread, cap = rng.randint(1, 8), rng.randint(1, 20)
+    fast = rng.uniform(0.01, 0.1)
+    # The fastest and the slowest rank break the spread bound already in the shortest round; others anywhere.
+    times = [fast, fast * (spread + 1.5 + rng.random())]
+    times += [fast * rng.uniform(1.0, 30.0) for _ in range(rng.randint(0, 4))]
+    rng.shuffle(times)
+    expected = solve_schedule(times, 0.0, max_spread=spread, max_local_steps=cap, tolerance=0.0)
+    assert max(expected.local_steps) - min(expected.local_steps) < spread
+    assert solve_schedule_alg1(times, spread, max_local_steps=cap) == expected
+
+
+@pytest.mark.parametrize("solver", [solve_schedule, solve_schedule_alg1])
+def test_fallback_respects_max_local_steps(solver):
+    def solve(times, spread, cap):
+        if solver is solve_schedule:
+            return solver(times, max_spread=spread, max_local_steps=cap)
+        return solver(times, spread, max_local_steps=cap)
+
+    assert solve([1.0, 9.0], 8, 4).local_steps == (4, 1)  # spread and cap broken
+    assert solve([1.0, 100.0], 200, 16).local_steps == (16, 1)  # only the cap broken: it was (1, 1)
+    assert solve([1.0, 9.0], 8, 1).local_steps == (1, 1)
+    for cap in range(1, 12):
+        schedule = solve([0.05, 0.3, 1.0], 3, cap)
+        assert max(schedule.local_steps) <= cap and max(schedule.local_steps) - min(schedule.local_steps) < 3
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_capped_fallback_matches_brute_force(seed):
+    rng = random.Random(seed)
+    fast = rng.uniform(0.01, 0.05)
+    # The slowest rank so slow that already the shortest round breaks the bounds: the spread bound, or (a quarter
+    # of the cases) only the cap. Some ranks in between, some as fast as the fastest.
+    if seed % 4:
+        spread, cap = rng.randint(1, 6), rng.randint(1, 12)
+        slowest = fast * rng.uniform(spread + 1.01, 14.0)
+    else:
+        spread, cap = 20, rng.randint(1, 6)
+        slowest = fast * rng.uniform(cap + 1.01, 14.0)
+    times = [fast] * rng.randint(1, 2) + [fast * rng.uniform(1.0, 14.0) for _ in range(rng.randint(0, 3))]
+    times = [min(t, slowest) for t in times] + [slowest]
+    rng.shuffle(times)
+    assert not brute_force(times, 0.0, spread, cap, 0.0)[1]
+    cost = rng.choice([0.0, 0.002, 0.05, 1.0])
+    tolerance = rng.choice([0.0, 0.0, 0.05, 0.3])
+    schedule = solve_schedule(times, cost, max_spread=spread, max_local_steps=cap, tolerance=tolerance)
+    rounds = capped_brute_force(times, cost, spread, cap)
+    best = max(rate for rate, _ in rounds)
+    shortest = min(period for rate, period in rounds if rate >= (1.0 - tolerance) * best * (1.0 - 1e-12))
+    if tolerance == 0.0:
+        assert schedule.throughput == pytest.approx(best, rel=1e-9)
+    assert schedule.period == pytest.approx(shortest, rel=1e-9)
+    assert schedule.local_steps == capped_steps(schedule.period, times, spread, cap)
+    assert schedule.throughput >= (1.0 - tolerance) * best * (1.0 - 1e-9)
