@@ -84,3 +84,60 @@ def test_mid_epoch_replan_keeps_every_sample_once():
             if loader.slot_infos[-1].real:
                 seen.extend(indices.tolist())
     assert sorted(seen) == list(range(40))
+
+
+class _Pid(Dataset):
+    """Item ``i`` with the id of the process that loaded it."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        import os
+
+        return index, os.getpid()
+
+
+def test_persistent_workers_survive_replans_and_epochs_and_their_start_up_is_not_timed():
+    user = DataLoader(_Pid(), batch_size=4, drop_last=True, num_workers=1, persistent_workers=True)
+    loader = LoadBalancedLoader(user, rank=0, world_size=2, shuffle=True, seed=3)
+    pids: set[int] = set()
+    fetch_times = []
+    for epoch in range(2):
+        plan = EpochPlan(2, loader.total_units, planned_slots(LOCAL_STEPS, loader.total_units), LOCAL_STEPS)
+        loader.start_epoch(plan, epoch, None)
+        iterator = iter(loader)
+        for slot in range(plan.total_slots):
+            if slot == 3:
+                plan.replan(3, (2, 2))  # restarts the inner iterator mid-epoch
+            _, pid = next(iterator)
+            info = loader.slot_infos[-1]
+            if info.real:
+                pids.update(pid.tolist())
+                fetch_times.append(info.fetch_seconds)
+    assert len(pids) == 1, "one persistent worker process for the whole fit"
+    # The first batch after each (re)start of the workers' stream is not a step's data loading.
+    assert fetch_times.count(None) == 4 and all(t is None or t >= 0.0 for t in fetch_times)
+
+
+def test_noop_slots_yield_empty_batches_of_the_same_structure():
+    user = DataLoader(_WorkerTagged(), batch_size=4, drop_last=True)
+    loader = LoadBalancedLoader(user, rank=1, world_size=2, shuffle=False)
+    plan = EpochPlan(2, loader.total_units, planned_slots(LOCAL_STEPS, loader.total_units), LOCAL_STEPS)
+    loader.start_epoch(plan, 0, None)
+    iterator = iter(loader)
+    items = [(next(iterator), loader.slot_infos[-1]) for _ in range(3)]
+    (real, real_info), (noop, noop_info) = items[0], items[1]
+    assert real_info.real and real[0].shape == (4,)
+    assert not noop_info.real and noop_info.samples == 0
+    assert [t.shape for t in noop] == [(0,), (0,)] and noop[0].dtype == real[0].dtype
+
+
+def test_accumulation_change_resizes_units():
+    user = DataLoader(_WorkerTagged(), batch_size=4)  # 10 batches
+    loader = LoadBalancedLoader(user, rank=0, world_size=2, shuffle=False, batches_per_slot=1)
+    assert loader.total_units == 10
+    loader.set_batches_per_slot(4)
+    assert (loader.total_units, len(loader)) == (3, 12)
+    with pytest.raises(ValueError, match="fewer than one optimizer step"):
+        loader.set_batches_per_slot(16)
