@@ -152,9 +152,15 @@ class ManualModule(ToyModule):
         self.steps_taken += 1
         self.log("train_loss", loss, sync_dist=True)
 
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # The README's pattern for manual optimization: step the LR schedule in a hook every slot reaches.
+        if not self.two:
+            self.lr_schedulers().step()
+
     def configure_optimizers(self):
         if not self.two:
-            return torch.optim.SGD(self.parameters(), lr=0.05)
+            opt = torch.optim.SGD(self.parameters(), lr=0.05)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)]
         return [torch.optim.SGD(self.net.parameters(), lr=0.05), torch.optim.SGD(self.head.parameters(), lr=0.05)]
 
 
@@ -272,7 +278,7 @@ class BatchProbe(Callback):
         self.throughput_samples = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        real = trainer.strategy.slot_is_real if isinstance(trainer.strategy, OscarsStrategy) else True
+        real = getattr(trainer.strategy, "slot_is_real", True)
         self.seen.append((real, int(batch[0].shape[0]), sorted(outputs or {})))
 
     def on_train_end(self, trainer, pl_module):
@@ -421,18 +427,13 @@ def build(case: str, out: Path):
     elif case == "requeue":  # a SLURM-style SIGUSR1 on rank 1 only; its handler writes a checkpoint
         kwargs.update(default_root_dir=str(out), enable_checkpointing=True)
         callbacks += [SendSignal(1, step=7, signum=signal.SIGUSR1)]
-    elif case == "accumulate_partial":  # 10 batches in units of 4: the last unit holds 2 batches
+    elif case == "accumulation":  # 10 batches in units of 4 (the last unit holds 2), then units of 2
         module = CountingModule(n=160, batch_size=16)
         strategy = OscarsStrategy(local_steps=[2, 1])
-        kwargs.update(max_epochs=1, accumulate_grad_batches=4)
-        callbacks = []
-    elif case == "accumulation_scheduler":
-        module = CountingModule(step_cost=0.004)
-        callbacks += [GradientAccumulationScheduler({1: 2})]
-    elif case in ("weighted_sampler", "user_sampler_no_dist"):
-        module = IndexedModule("weighted" if case == "weighted_sampler" else None)
+        callbacks = [GradientAccumulationScheduler({0: 4, 1: 2})]
+    elif case == "weighted_sampler":
+        module = IndexedModule("weighted")
         strategy = OscarsStrategy(local_steps=[3, 1])
-        kwargs.update(max_epochs=2, use_distributed_sampler=case == "weighted_sampler")
         callbacks = []
     elif case == "slow_checkpoint_write":
         module = ToyModule(step_cost=0.01, n=2048)
