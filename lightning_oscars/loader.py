@@ -32,7 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lightning_oscars.partition import EpochPlan
 
-__all__ = ["EpochOrder", "LoadBalancedLoader", "SlotInfo", "empty_batch"]
+__all__ = ["EpochOrder", "LoadBalancedLoader", "SlotInfo", "empty_batch", "training_set_size"]
 
 # DataLoader arguments carried over from the user's loader to the inner one.
 _CARRIED = (
@@ -141,6 +141,20 @@ class EpochOrder:
         return cls("sampler", length, seed, sampler)  # type: ignore[arg-type]
 
 
+def training_set_size(dataloader: DataLoader) -> int:
+    """The number of samples of a training loader's map-style dataset; a clear error for what oscars cannot split."""
+    dataset = dataloader.dataset
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            "strategy='oscars' partitions the training data by index and cannot split an IterableDataset;"
+            " use a map-style Dataset (with __len__ and __getitem__), or strategy='ddp'."
+        )
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError("strategy='oscars' needs a training dataset with a length (__len__)") from None
+
+
 def _global_seed() -> int:
     """The seed of ``seed_everything`` (Lightning exports it as ``PL_GLOBAL_SEED``), else 0."""
     import os
@@ -196,21 +210,13 @@ class LoadBalancedLoader:
         batches_per_slot: int = 1,
         order: EpochOrder | None = None,
     ) -> None:
+        size = training_set_size(dataloader)
         dataset = dataloader.dataset
-        if isinstance(dataset, IterableDataset):
-            raise ValueError(
-                "strategy='oscars' partitions the training data by index and cannot split an IterableDataset;"
-                " use a map-style Dataset (with __len__ and __getitem__), or strategy='ddp'."
-            )
         if dataloader.batch_size is None:
             raise ValueError(
                 "strategy='oscars' needs the training DataLoader's batch_size; a custom batch_sampler is not"
                 " supported. Pass batch_size=... (and drop_last) to the DataLoader instead."
             )
-        try:
-            size = len(dataset)  # type: ignore[arg-type]
-        except TypeError:
-            raise ValueError("strategy='oscars' needs a training dataset with a length (__len__)") from None
         if order is None:
             order = EpochOrder("permutation" if shuffle else "sequential", size, seed)
         self.order = order

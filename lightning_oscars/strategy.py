@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader
 from lightning_oscars.averaging import FlatAverager, agree_on_layout, averaged_tensors, optimizer_state_layout
 from lightning_oscars.epoch_metrics import align_epoch_metrics
 from lightning_oscars.faults import FailureBoard, describe_collective_failure
-from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, SlotInfo, empty_batch
+from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, SlotInfo, empty_batch, training_set_size
 from lightning_oscars.monitor import ScheduleMonitor
 from lightning_oscars.partition import EpochPlan, Round, max_epoch_slots, planned_slots
 from lightning_oscars.solver import (
@@ -364,16 +364,7 @@ class OscarsStrategy(DDPStrategy):
             self._module
         ):
             raise ValueError("training_step(dataloader_iter) is not supported by strategy='oscars'")
-        dataset = dataloader.dataset
-        if isinstance(dataset, torch.utils.data.IterableDataset):
-            raise ValueError(
-                "strategy='oscars' partitions the training data by index and cannot split an IterableDataset;"
-                " use a map-style Dataset (with __len__ and __getitem__), or strategy='ddp'."
-            )
-        try:
-            size = len(dataset)  # type: ignore[arg-type]
-        except TypeError:
-            raise ValueError("strategy='oscars' needs a training dataset with a length (__len__)") from None
+        size = training_set_size(dataloader)
         loader = LoadBalancedLoader(
             dataloader,
             rank=self.global_rank,
@@ -910,7 +901,11 @@ class OscarsStrategy(DDPStrategy):
 
 
 class _EpochCallback(Callback):
-    """Sizes every epoch to its plan before any other callback (progress bars) reads its length."""
+    """Runs before every other callback: sizes each epoch to its plan before anything (progress bars) reads its
+    length, and does the epoch end's collectives (metric alignment, averaging) before anything else can issue one.
+    Lightning's progress bar computes the epoch's ``sync_dist`` values on rank 0 alone in its own
+    ``on_train_epoch_end``, and the other ranks match those reductions later; a collective of ours in between would
+    pair with them and hang."""
 
     def __init__(self, strategy: OscarsStrategy) -> None:
         self.strategy = strategy
@@ -921,9 +916,13 @@ class _EpochCallback(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.start_epoch(trainer)
 
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.strategy.align_epoch_metrics(trainer)
+        self.strategy.average_if_pending()
+
 
 class _RoundCallback(Callback):
-    """Ends rounds (averaging) and averages before validation, epoch end and the end of fit."""
+    """Ends rounds (averaging) and averages before validation and at the end of fit."""
 
     def __init__(self, strategy: OscarsStrategy) -> None:
         self.strategy = strategy
@@ -932,10 +931,6 @@ class _RoundCallback(Callback):
         self.strategy.end_batch(trainer, kwargs.get("batch_idx", args[-1] if args else 0))
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.strategy.average_if_pending()
-
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.strategy.align_epoch_metrics(trainer)
         self.strategy.average_if_pending()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -442,7 +442,13 @@ def build(case: str, out: Path):
     elif case == "builtin_callbacks":  # rank 0 is the one with no-op slots (1 of every 3 slots real)
         module = ProbeModule()
         strategy = OscarsStrategy(local_steps=[1, 3])
-        kwargs.update(max_epochs=2, logger=CSVLogger(out / "csv"), log_every_n_steps=1, enable_checkpointing=True)
+        kwargs.update(
+            max_epochs=2,
+            logger=CSVLogger(out / "csv"),
+            log_every_n_steps=1,
+            enable_checkpointing=True,
+            enable_progress_bar=True,  # rank 0's bar reduces the epoch's sync_dist values on its own
+        )
         callbacks = [
             EMAWeightAveraging(decay=0.9),
             ModelCheckpoint(dirpath=out / "steps", every_n_train_steps=7, save_top_k=-1),

@@ -78,7 +78,16 @@ def test_wheel_imports_without_the_extras(wheel, tmp_path):
 
 
 # Top-level modules the package may import: the standard library and its declared core dependencies.
-CORE = {"torch", "lightning", "numpy", "torchmetrics", "jsonargparse", "packaging", "lightning_oscars"}
+CORE = {
+    "torch",
+    "lightning",
+    "lightning_utilities",
+    "numpy",
+    "torchmetrics",
+    "jsonargparse",
+    "packaging",
+    "lightning_oscars",
+}
 
 
 def test_package_imports_only_core_dependencies(wheel):
