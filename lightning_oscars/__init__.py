@@ -4,41 +4,27 @@ Importing the package registers ``strategy="oscars"`` (and the fixed-period base
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from packaging.version import Version
+from lightning.pytorch.strategies import StrategyRegistry
 
-SUPPORTED_LIGHTNING = (">=2.6.0", "<2.7")
-
-
-def _check_lightning() -> None:
-    try:
-        found = Version(version("lightning"))
-    except PackageNotFoundError:  # pragma: no cover - the dependency is declared
-        raise ImportError("lightning-oscars needs the 'lightning' package (>=2.6,<2.7)") from None
-    if not (Version("2.6.0") <= found < Version("2.7")):
-        raise ImportError(
-            f"lightning-oscars supports lightning>=2.6.0,<2.7 (it relies on that release's loop internals);"
-            f" found lightning=={found}. Install a supported release: pip install 'lightning>=2.6,<2.7'."
-        )
-
-
-_check_lightning()
-
-from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
-
-from lightning_oscars.heterogeneity import HeterogeneityEmulator, SlowdownProfile  # noqa: E402
-from lightning_oscars.loader import LoadBalancedLoader  # noqa: E402
-from lightning_oscars.monitor import ScheduleMonitor, round_metrics, summarize_history  # noqa: E402
-from lightning_oscars.partition import EpochPlan, plan_rounds, planned_slots, round_quotas  # noqa: E402
-from lightning_oscars.solver import (  # noqa: E402
+# First: refuses an unsupported Lightning release before anything touches its internals.
+from lightning_oscars.adapter import SUPPORTED_LIGHTNING, check_lightning_version
+from lightning_oscars.control import RoundRecord
+from lightning_oscars.heterogeneity import HeterogeneityEmulator, SlowdownProfile
+from lightning_oscars.loader import LoadBalancedLoader
+from lightning_oscars.monitor import ScheduleMonitor, round_metrics, summarize_history
+from lightning_oscars.partition import EpochPlan, plan_rounds, planned_slots, round_quotas
+from lightning_oscars.policy import SchedulePolicy
+from lightning_oscars.rounds import RoundController, RoundOutcome
+from lightning_oscars.schemes import ModelAveraging, SyncScheme, adaptive_rounds, every_step, fixed_period
+from lightning_oscars.solver import (
     Schedule,
     schedule_from_local_steps,
     solve_schedule,
     solve_schedule_alg1,
 )
-from lightning_oscars.strategy import OscarsStrategy, RoundRecord  # noqa: E402
+from lightning_oscars.strategy import OscarsStrategy
 
 __version__ = "0.1.0"
 
@@ -46,11 +32,21 @@ __all__ = [
     "EpochPlan",
     "HeterogeneityEmulator",
     "LoadBalancedLoader",
+    "ModelAveraging",
     "OscarsStrategy",
+    "RoundController",
+    "RoundOutcome",
     "RoundRecord",
+    "SUPPORTED_LIGHTNING",
     "Schedule",
     "ScheduleMonitor",
+    "SchedulePolicy",
     "SlowdownProfile",
+    "SyncScheme",
+    "adaptive_rounds",
+    "check_lightning_version",
+    "every_step",
+    "fixed_period",
     "plan_rounds",
     "planned_slots",
     "round_metrics",
@@ -65,6 +61,10 @@ _REGISTERED: dict[str, tuple[str, dict[str, Any]]] = {
     "oscars": ("Load-balanced local SGD (Oscars), exact communication-aware solver", {}),
     "oscars_alg1": ("Load-balanced local SGD with the paper's Algorithm 1 solver", {"solver": "alg1"}),
     "local_sgd": ("Fixed-period local SGD: the same local steps on every rank", {"solver": "uniform"}),
+    "every_step_averaging": (
+        "Model averaging after every optimizer step (ddp's trajectory for plain SGD, without DDP's wrapper)",
+        {"solver": "uniform", "max_local_steps": 1},
+    ),
 }
 for _name, (_description, _params) in _REGISTERED.items():
     if _name not in StrategyRegistry:

@@ -244,7 +244,10 @@ class LoadBalancedLoader:
         self.start_position = 0  # set by the strategy when Lightning resumes mid-epoch
         self._order: list[int] | None = None
         self._order_epoch = -1
-        self.slot_infos: deque[SlotInfo] = deque()
+        # What each yielded batch is, in yield order. The batch itself stays the user's (their
+        # on_before_batch_transfer hook sees it unwrapped); Lightning prefetches, so the strategy takes the
+        # info of the batch it is about to run with take_slot(), which may lag the last yield by a batch.
+        self._slots: deque[SlotInfo] = deque()
 
     def set_batches_per_slot(self, batches_per_slot: int) -> None:
         """Units of ``batches_per_slot`` batches (``accumulate_grad_batches``, which a callback may change
@@ -266,8 +269,13 @@ class LoadBalancedLoader:
         # An upper bound: the strategy shortens each epoch to its plan through trainer.num_training_batches.
         return self.max_slots * self.batches_per_slot
 
-    def set_plan(self, plan: EpochPlan) -> None:
-        self.plan = plan
+    @property
+    def has_pending_slot(self) -> bool:
+        return bool(self._slots)
+
+    def take_slot(self) -> SlotInfo:
+        """What the oldest batch yielded and not yet taken is: called once per batch as it starts its step."""
+        return self._slots.popleft()
 
     def start_epoch(self, plan: EpochPlan, epoch: int, order: Sequence[int] | None, start_position: int = 0) -> None:
         """Hand the loader an epoch: its plan, its order of samples (``None``: draw it here) and the Lightning
@@ -309,7 +317,7 @@ class _EpochIterator:
         self._inner: Iterator[Any] | None = None
         self._inner_version = -1
         self._fresh_inner = False
-        owner.slot_infos.clear()
+        owner._slots.clear()
 
     def _indices(self, batch: int) -> list[int]:
         b = self.owner.batch_size
@@ -385,7 +393,5 @@ class _EpochIterator:
             info = SlotInfo(True, len(indices), seconds)
             self.last_batch = item
         self.position += 1
-        owner.slot_infos.append(info)
+        owner._slots.append(info)
         return item
-
-

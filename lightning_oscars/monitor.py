@@ -14,27 +14,28 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_oscars.control import RoundRecord
+
 __all__ = ["ScheduleMonitor", "round_metrics", "summarize_history"]
 
 # Beyond this many ranks, per-rank series are summarised as min / median / max to keep loggers usable.
 _PER_RANK_LIMIT = 32
 
 
-def round_metrics(record: dict[str, Any], per_rank: bool, prefix: str = "oscars/") -> dict[str, float]:
+def round_metrics(record: RoundRecord, per_rank: bool, prefix: str = "oscars/") -> dict[str, float]:
     """Flatten one round record into logger metrics (pure; unit-tested)."""
     metrics = {
-        f"{prefix}round": float(record["round"]),
-        f"{prefix}period_s": float(record["period"]),
-        f"{prefix}allreduce_s": float(record["allreduce_time"]),
-        f"{prefix}utilization": float(record["utilization"]),
-        f"{prefix}rebalanced": float(bool(record["rebalanced"])),
+        f"{prefix}round": float(record.round),
+        f"{prefix}period_s": float(record.period),
+        f"{prefix}allreduce_s": float(record.allreduce_time),
+        f"{prefix}utilization": float(record.utilization),
+        f"{prefix}rebalanced": float(bool(record.rebalanced)),
     }
-    wall = record["period"] + record["allreduce_time"]
     series = {
-        "tau": record["local_steps"],
-        "step_time_s": record["step_times"],
-        "idle_s": record["idle_times"],
-        "utilization": [c / wall if wall > 0 else 0.0 for c in record["compute_times"]],
+        "tau": record.local_steps,
+        "step_time_s": record.step_times,
+        "idle_s": record.idle_times,
+        "utilization": record.rank_utilization,
     }
     for name, values in series.items():
         if per_rank:
@@ -47,22 +48,23 @@ def round_metrics(record: dict[str, Any], per_rank: bool, prefix: str = "oscars/
     return metrics
 
 
-def summarize_history(history: Sequence[dict[str, Any]]) -> str:
-    """A few lines describing what the scheduler did over a run (pure; unit-tested)."""
+def summarize_history(history: Sequence[RoundRecord]) -> str:
+    """A few lines describing what the scheduler did over a run (pure; unit-tested). The run's utilisation is
+    the compute share of the summed round walls, as in every round's record."""
     if not history:
         return "oscars: no averaging round ran"
-    n = len(history[0]["local_steps"])
-    compute = [sum(r["compute_times"][i] for r in history) for i in range(n)]
-    idle = [sum(r["idle_times"][i] for r in history) for i in range(n)]
-    allreduce = sum(r["allreduce_time"] for r in history)
-    wall = sum(r["period"] + r["allreduce_time"] for r in history)
+    n = len(history[0].local_steps)
+    compute = [sum(r.compute_times[i] for r in history) for i in range(n)]
+    idle = [sum(r.idle_times[i] for r in history) for i in range(n)]
+    allreduce = sum(r.allreduce_time for r in history)
+    wall = sum(r.wall for r in history)
     utilization = sum(compute) / (n * wall) if wall > 0 else 0.0
-    rebalances = sum(1 for r in history if r["rebalanced"])
+    rebalances = sum(1 for r in history if r.rebalanced)
     last = history[-1]
     lines = [
         f"oscars: {len(history)} rounds, {rebalances} schedule changes, cluster utilisation {utilization:.1%}",
-        f"  final tau per rank: {_short(last['local_steps'])}",
-        f"  final step time per rank (ms): {_short([round(1e3 * t, 2) for t in last['step_times']])}",
+        f"  final tau per rank: {_short(list(last.local_steps))}",
+        f"  final step time per rank (ms): {_short([round(1e3 * t, 2) for t in last.step_times])}",
         f"  idle per rank (s, total): {_short([round(t, 2) for t in idle])}",
         f"  averaging all-reduce: {allreduce:.2f} s total, {1e3 * allreduce / len(history):.2f} ms per round",
     ]
@@ -113,11 +115,10 @@ class ScheduleMonitor(Callback):
         # the per-step hot path costs one length check.
         if self._flush(trainer) and self.prog_bar and trainer.world_size > 1:
             last = _history(trainer)[-1]
-            strategy: Any = trainer.strategy
-            tau = strategy._current_local_steps()[trainer.global_rank]
+            tau = getattr(trainer.strategy, "local_steps", last.local_steps)[trainer.global_rank]
             # logger=False and no sync: a local value shown locally, never a collective.
             pl_module.log("tau", float(tau), prog_bar=True, logger=False, on_step=True, on_epoch=False)
-            pl_module.log("util", float(last["utilization"]), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            pl_module.log("util", float(last.utilization), prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._flush(trainer)
@@ -138,13 +139,13 @@ class ScheduleMonitor(Callback):
             return True
         per_rank = self.per_rank if self.per_rank is not None else trainer.world_size <= _PER_RANK_LIMIT
         for record in new:
-            if record["round"] % self.log_every_n_rounds:
+            if record.round % self.log_every_n_rounds:
                 continue
             metrics = round_metrics(record, per_rank)
             for logger in trainer.loggers:  # loggers write on global rank 0 only
-                logger.log_metrics(metrics, step=int(record["global_step"]))
+                logger.log_metrics(metrics, step=record.global_step)
         return True
 
 
-def _history(trainer: Trainer) -> Sequence[dict[str, Any]]:
+def _history(trainer: Trainer) -> Sequence[RoundRecord]:
     return getattr(trainer.strategy, "history", ())

@@ -22,6 +22,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "EpochPlan",
@@ -224,3 +225,18 @@ class EpochPlan:
 
     def units_used(self) -> int:
         return sum(sum(r.quotas) for r in self._rounds)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "total_units": self.total_units,
+            "total_slots": self.total_slots,
+            "rounds": [[r.start_slot, r.length, list(r.quotas), r.first_unit] for r in self._rounds],
+        }
+
+    @classmethod
+    def from_state_dict(cls, world_size: int, state: dict[str, Any]) -> EpochPlan:
+        """The plan :meth:`state_dict` saved (a checkpoint written mid-epoch), re-planned rounds included."""
+        plan = cls(world_size, state["total_units"], state["total_slots"], (1,) * world_size)
+        plan._rounds = [Round(s, n, tuple(q), u) for s, n, q, u in state["rounds"]]
+        plan._starts = [r.start_slot for r in plan._rounds]
+        return plan

@@ -73,11 +73,6 @@ class Schedule:
     allreduce_time: float = 0.0
 
     @property
-    def num_slots(self) -> int:
-        """Steps of the busiest rank: the round's length in Lightning batches (before accumulation)."""
-        return max(self.local_steps)
-
-    @property
     def period(self) -> float:
         """``T*``: seconds until the last rank finishes its local steps."""
         return max(tau * t for tau, t in zip(self.local_steps, self.step_times))

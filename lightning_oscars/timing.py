@@ -63,10 +63,6 @@ class StepTimeEstimator:
                 self.value = self.smoothing * median + (1.0 - self.smoothing) * self.value
         return self.value
 
-    def reset(self) -> None:
-        self.value = None
-        self._samples.clear()
-
 
 class LapClock(Protocol):
     def mark(self) -> None:

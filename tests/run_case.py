@@ -559,7 +559,7 @@ def main() -> None:
             result.update(probe=cb.seen, throughput_samples=cb.throughput_samples)
     if isinstance(s, OscarsStrategy):
         result.update(
-            history=s.history,
+            history=[r.as_dict() for r in s.history],
             num_averagings=s.num_averagings,
             schedule=list(s.schedule.local_steps) if s.schedule else None,
         )

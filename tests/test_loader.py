@@ -29,21 +29,20 @@ def _epoch(dataset: Dataset, rank: int, **loader_kwargs) -> tuple[list[list[int]
     user = DataLoader(dataset, batch_size=4, drop_last=True, **loader_kwargs)
     loader = LoadBalancedLoader(user, rank=rank, world_size=2, shuffle=True, seed=3)
     slots = planned_slots(LOCAL_STEPS, loader.total_units)
-    loader.set_plan(EpochPlan(2, loader.total_units, slots, LOCAL_STEPS))
-    loader.sampler.set_epoch(1)
+    loader.start_epoch(EpochPlan(2, loader.total_units, slots, LOCAL_STEPS), 1, None)
     batches, real, workers = [], [], set()
     iterator = iter(loader)
     for _ in range(slots):
         indices, worker = next(iterator)
-        info = loader.slot_infos[-1]
+        info = loader.take_slot()
         real.append(info.real)
         if info.real:
             batches.append(indices.tolist())
             workers.update(worker.tolist())
     # The loader's length is an upper bound (the strategy ends the epoch at the plan's last slot): past the
     # plan every slot is a no-op, then the iterator ends.
-    extra = [next(iterator) for _ in range(len(loader) - slots)]
-    assert all(not info.real for info in list(loader.slot_infos)[slots:]) and len(extra) == len(loader) - slots
+    extra = [(next(iterator), loader.take_slot()) for _ in range(len(loader) - slots)]
+    assert all(not info.real for _, info in extra) and len(extra) == len(loader) - slots
     with pytest.raises(StopIteration):
         next(iterator)
     return batches, real, workers
@@ -75,13 +74,13 @@ def test_mid_epoch_replan_keeps_every_sample_once():
         user = DataLoader(dataset, batch_size=4, drop_last=True)
         loader = LoadBalancedLoader(user, rank=rank, world_size=2, shuffle=True, seed=3)
         plan = EpochPlan(2, loader.total_units, planned_slots(LOCAL_STEPS, loader.total_units), LOCAL_STEPS)
-        loader.set_plan(plan)
+        loader.start_epoch(plan, 0, None)
         iterator = iter(loader)
         for slot in range(plan.total_slots):
             if slot == 3:  # the second round starts: speeds swapped
                 plan.replan(3, (1, 3))
             indices, _ = next(iterator)
-            if loader.slot_infos[-1].real:
+            if loader.take_slot().real:
                 seen.extend(indices.tolist())
     assert sorted(seen) == list(range(40))
 
@@ -111,7 +110,7 @@ def test_persistent_workers_survive_replans_and_epochs_and_their_start_up_is_not
             if slot == 3:
                 plan.replan(3, (2, 2))  # restarts the inner iterator mid-epoch
             _, pid = next(iterator)
-            info = loader.slot_infos[-1]
+            info = loader.take_slot()
             if info.real:
                 pids.update(pid.tolist())
                 fetch_times.append(info.fetch_seconds)
@@ -126,7 +125,7 @@ def test_noop_slots_yield_empty_batches_of_the_same_structure():
     plan = EpochPlan(2, loader.total_units, planned_slots(LOCAL_STEPS, loader.total_units), LOCAL_STEPS)
     loader.start_epoch(plan, 0, None)
     iterator = iter(loader)
-    items = [(next(iterator), loader.slot_infos[-1]) for _ in range(3)]
+    items = [(next(iterator), loader.take_slot()) for _ in range(3)]
     (real, real_info), (noop, noop_info) = items[0], items[1]
     assert real_info.real and real[0].shape == (4,)
     assert not noop_info.real and noop_info.samples == 0

@@ -2,25 +2,22 @@
 
 import pytest
 
-from lightning_oscars import ScheduleMonitor, round_metrics, summarize_history
+from lightning_oscars import RoundRecord, ScheduleMonitor, round_metrics, summarize_history
 
 
 def record(round_: int, local_steps, step_times, compute, allreduce=0.01, rebalanced=False):
-    period = max(compute)
-    return {
-        "round": round_,
-        "epoch": 0,
-        "global_step": 3 * round_,
-        "local_steps": local_steps,
-        "step_times": step_times,
-        "samples": [16 * t for t in local_steps],
-        "compute_times": compute,
-        "idle_times": [period - c for c in compute],
-        "period": period,
-        "allreduce_time": allreduce,
-        "utilization": sum(compute) / (len(compute) * (period + allreduce)),
-        "rebalanced": rebalanced,
-    }
+    return RoundRecord(
+        round=round_,
+        time=0.0,
+        epoch=0,
+        global_step=3 * round_,
+        local_steps=tuple(local_steps),
+        step_times=tuple(step_times),
+        samples=tuple(16 * t for t in local_steps),
+        compute_times=tuple(compute),
+        allreduce_time=allreduce,
+        rebalanced=rebalanced,
+    )
 
 
 def test_round_metrics_per_rank_and_summarised():

@@ -85,6 +85,7 @@ CORE = {
     "numpy",
     "torchmetrics",
     "jsonargparse",
+    "typing_extensions",
     "packaging",
     "lightning_oscars",
 }

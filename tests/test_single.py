@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 from toy import ToyModule
@@ -46,7 +47,7 @@ def test_ddp_wrapper_options_are_ignored_with_a_warning():
 
 
 def test_trainer_plumbing_reaches_ddp_strategy():
-    environment = lightning_oscars.strategy.SLURMEnvironment()
+    environment = SLURMEnvironment()
     strategy = OscarsStrategy(cluster_environment=environment, parallel_devices=[torch.device("cpu")] * 2)
     assert strategy.cluster_environment is environment
     assert strategy.parallel_devices == [torch.device("cpu")] * 2

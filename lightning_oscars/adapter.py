@@ -1,0 +1,314 @@
+"""Every place oscars reaches into Lightning's private state, in one module.
+
+Ranks under oscars run the same batches but take different numbers of real steps, and must not meet per
+batch. Lightning 2.6 has no public hook for that, so a fit under oscars changes a few things for its duration
+(:class:`LightningAdapter` ``install`` / ``remove``; the strategy's ``teardown`` removes them):
+
+* the per-batch SIGTERM broadcast of the training epoch loop and step-interval ``Timer`` checks (both
+  collectives) become no-ops; SIGTERM and an expired ``Timer`` travel in the round's all-reduce instead;
+* the SIGTERM and requeue (SIGUSR1) handlers defer to the round boundary, where every rank acts together;
+* the optimization loops skip a no-op slot's step but advance its counters, and close a partial
+  accumulation unit; the logger connector does not re-log the last real step on a no-op slot;
+* ``ThroughputMonitor`` counts real slots only.
+
+The rest are reads and writes of private attributes, named here so that a Lightning upgrade breaks one file:
+the epoch's ``max_batches`` / ``val_check_batch`` / tqdm total, the resume position, ``received_sigterm``,
+the epoch's logged results, EMA copies of the model, the accumulation scheduler's value, module state sync.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from packaging.version import Version
+
+SUPPORTED_LIGHTNING = (">=2.6.0", "<2.7")
+
+
+def check_lightning_version() -> None:
+    """oscars relies on Lightning 2.6's loop internals: refuse any other release with the fix."""
+    try:
+        found = Version(version("lightning"))
+    except PackageNotFoundError:  # pragma: no cover - the dependency is declared
+        raise ImportError("lightning-oscars needs the 'lightning' package (>=2.6,<2.7)") from None
+    if not (Version("2.6.0") <= found < Version("2.7")):
+        raise ImportError(
+            f"lightning-oscars supports lightning>=2.6.0,<2.7 (it relies on that release's loop internals);"
+            f" found lightning=={found}. Install a supported release: pip install 'lightning>=2.6,<2.7'."
+        )
+
+
+check_lightning_version()
+
+import atexit  # noqa: E402
+import inspect  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
+from lightning.pytorch import LightningModule, Trainer  # noqa: E402
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ThroughputMonitor, Timer, WeightAveraging  # noqa: E402
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher  # noqa: E402
+from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa: E402
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches  # noqa: E402
+from lightning.pytorch.trainer.states import RunningStage  # noqa: E402
+
+__all__ = ["LightningAdapter", "check_lightning_version"]
+
+Handler = Callable[[int, Any], Any]
+
+
+class LightningAdapter:
+    """The patches of one fit (see the module docstring). ``slot_is_real`` says whether the batch in progress is a
+    real local step of this rank; ``device`` is where a partial accumulation unit's zero loss lives."""
+
+    def __init__(self, slot_is_real: Callable[[], bool], device: torch.device) -> None:
+        self._slot_is_real = slot_is_real
+        self._device = device
+        self._patches: list[tuple[object, str, bool, Any]] = []
+        self._handlers: list[tuple[int, Handler, Any]] = []  # (signal, ours, the one before)
+        self._timers: list[Timer] = []
+        self._requeue: tuple[int, Any] | None = None
+        self._pending_accumulation = False  # a partial unit's gradients wait for the epoch's next no-op slot
+        self._manual_steps_per_batch = 0
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._patches)
+
+    def install(self, trainer: Trainer, on_sigterm: Callable[[], None], on_requeue: Callable[[], None]) -> None:
+        self.remove()
+        self._neutralise_per_batch_collectives(trainer)
+        self._install_noop_slots(trainer)
+        if threading.current_thread() is threading.main_thread():
+            self._install_signal_handlers(trainer, on_sigterm, on_requeue)
+
+    def remove(self) -> None:
+        """Put back everything :meth:`install` changed (a handler someone replaced since stays theirs)."""
+        while self._patches:
+            owner, name, had_own, original = self._patches.pop()
+            if had_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        while self._handlers:
+            signum, ours, before = self._handlers.pop()
+            if signal.getsignal(signum) is ours:
+                signal.signal(signum, before)
+        self._timers, self._requeue = [], None
+
+    def _patch(self, owner: object, name: str, value: Any) -> None:
+        had_own = name in vars(owner)
+        self._patches.append((owner, name, had_own, vars(owner).get(name)))
+        setattr(owner, name, value)
+
+    def _set_handler(self, signum: int, handler: Handler) -> None:
+        self._handlers.append((signum, handler, signal.getsignal(signum)))
+        signal.signal(signum, handler)
+
+    # ------------------------------------------------------------------ per-batch collectives and signals
+
+    def _neutralise_per_batch_collectives(self, trainer: Trainer) -> None:
+        self._patch(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", lambda: None)
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+        self._timers = [cb for cb in callbacks if isinstance(cb, Timer) and cb._interval == "step"]
+        for timer in self._timers:
+            self._patch(timer, "on_train_batch_end", _skip)
+        for callback in callbacks:
+            if isinstance(callback, ThroughputMonitor):
+                # It measures this rank's throughput and needs its sample count to grow at every batch.
+                hook = callback.on_train_batch_end
+                self._patch(callback, "on_train_batch_end", self._on_real_slots(hook))
+
+    def _on_real_slots(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        def on_real_slot(*args: Any, **kwargs: Any) -> Any:
+            return hook(*args, **kwargs) if self._slot_is_real() else None
+
+        return on_real_slot
+
+    def timer_expired(self) -> bool:
+        return any(
+            t._duration is not None and t.time_elapsed(RunningStage.TRAINING) >= t._duration for t in self._timers
+        )
+
+    def _install_signal_handlers(
+        self, trainer: Trainer, on_sigterm: Callable[[], None], on_requeue: Callable[[], None]
+    ) -> None:
+        original = trainer._signal_connector._original_handlers.get(signal.SIGTERM)
+
+        def sigterm(signum: int, frame: Any) -> None:
+            on_sigterm()
+            if callable(original) and original not in (signal.SIG_IGN, signal.SIG_DFL):
+                original(signum, frame)
+
+        self._set_handler(signal.SIGTERM, sigterm)
+        # Lightning's requeue handler saves a checkpoint (collectives) inside the handler, i.e. wherever each rank
+        # happens to be; with ranks at different local steps that would pair unrelated collectives.
+        environment = trainer._accelerator_connector.cluster_environment
+        signum = signal.SIGUSR1
+        if isinstance(environment, SLURMEnvironment) and environment.requeue_signal is not None:
+            signum = environment.requeue_signal
+        handler = signal.getsignal(signum)
+        if callable(handler) and handler not in (signal.SIG_IGN, signal.SIG_DFL):
+            self._requeue = (signum, handler)
+            self._set_handler(signum, lambda received, frame: on_requeue())
+
+    def run_requeue_handler(self) -> None:
+        """Run the deferred requeue handler (every rank, at the same batch)."""
+        if self._requeue is not None:
+            signum, handler = self._requeue
+            handler(signum, None)
+
+    # ------------------------------------------------------------------ no-op slots
+
+    def _install_noop_slots(self, trainer: Trainer) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        automatic, manual = loop.automatic_optimization, loop.manual_optimization
+        run_automatic, run_manual = automatic.run, manual.run
+
+        def automatic_run(optimizer: Any, batch_idx: int, kwargs: Any) -> Any:
+            stepping = not loop._should_accumulate()
+            if self._slot_is_real():
+                self._pending_accumulation = not stepping
+                return run_automatic(optimizer, batch_idx, kwargs)
+            if stepping and self._pending_accumulation:
+                # The slot's unit was partial (the epoch's last batches): its real batches ran first and their
+                # gradients wait for this step, as ddp applies a partial unit at the epoch's last batch.
+                self._pending_accumulation = False
+                automatic._optimizer_step(batch_idx, lambda: torch.zeros((), device=self._device))
+            elif stepping:
+                automatic.optim_progress.optimizer.step.increment_ready()
+                automatic.optim_progress.optimizer.step.increment_completed()
+            return {}
+
+        def manual_run(kwargs: Any) -> Any:
+            progress = manual.optim_step_progress
+            if self._slot_is_real():
+                before = progress.total.completed
+                output = run_manual(kwargs)
+                self._manual_steps_per_batch = progress.total.completed - before
+                return output
+            for _ in range(self._manual_steps_per_batch):  # keep global_step equal on every rank
+                progress.increment_ready()
+                progress.increment_completed()
+            return {}
+
+        connector = trainer._logger_connector
+        log_step = connector.update_train_step_metrics
+
+        def update_train_step_metrics() -> None:
+            if self._slot_is_real():  # a no-op slot logged nothing new: do not re-log the last real step's values
+                log_step()
+
+        self._patch(automatic, "run", automatic_run)
+        self._patch(manual, "run", manual_run)
+        self._patch(connector, "update_train_step_metrics", update_train_step_metrics)
+
+    def start_epoch(self) -> None:
+        self._pending_accumulation = False
+
+    # ------------------------------------------------------------------ reads and writes of private state
+
+    @staticmethod
+    def size_epoch(trainer: Trainer, batches: int) -> None:
+        """Tell Lightning the epoch has ``batches`` batches (before ``limit_train_batches``)."""
+        loop = trainer.fit_loop
+        loop.max_batches = int(_parse_num_batches(RunningStage.TRAINING, batches, trainer.limit_train_batches))
+        if isinstance(trainer.val_check_interval, float):
+            trainer.val_check_batch = max(1, int(trainer.num_training_batches * trainer.val_check_interval))
+        try:
+            bar = trainer.progress_bar_callback.train_progress_bar  # type: ignore[union-attr]
+        except (AttributeError, TypeError):  # no bar, not tqdm, or not created yet
+            bar = None
+        if bar is not None and getattr(bar, "total", None) is not None:
+            bar.total = trainer.num_training_batches  # tqdm: the epoch got shorter once speeds were known
+
+    @staticmethod
+    def resume_position(trainer: Trainer) -> int | None:
+        """The batch a resumed fit continues its epoch from, or ``None`` when the fit starts afresh."""
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return progress.ready if trainer.fit_loop.restarting or progress.ready > 0 else None
+
+    @staticmethod
+    def mark_sigterm(trainer: Trainer) -> None:
+        """Some rank received SIGTERM: Lightning raises ``SIGTERMException`` on every rank at this batch."""
+        trainer._signal_connector.received_sigterm = True
+
+    @staticmethod
+    def epoch_results(trainer: Trainer) -> Any:
+        return trainer._results
+
+    @staticmethod
+    def trainer_of(module: LightningModule | None) -> Trainer | None:
+        # After a spawn-launched fit the main process holds a module no longer attached to a Trainer, and
+        # LightningModule.trainer raises then.
+        return None if module is None else module._trainer
+
+    @staticmethod
+    def accumulation_at(trainer: Trainer, epoch: int) -> int:
+        """``accumulate_grad_batches`` in force during ``epoch``: a GradientAccumulationScheduler sets it only in its
+        own ``on_train_epoch_start``, after oscars sized the epoch, so ask the scheduler."""
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, GradientAccumulationScheduler):
+                return int(callback.get_accumulate_grad_batches(epoch))
+        return int(trainer.accumulate_grad_batches)
+
+    @staticmethod
+    def averaged_copies(trainer: Trainer) -> list[torch.nn.Module]:
+        """Averaged copies of the model that callbacks update from each rank's weights (``WeightAveraging``, EMA).
+        Averaged with the model each round they stay equal on every rank: the update is linear and runs at the
+        same global steps everywhere."""
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+        return [cb._average_model for cb in callbacks if isinstance(cb, WeightAveraging) and cb._average_model]
+
+    @staticmethod
+    def unsupported(trainer: Trainer, module: LightningModule) -> str | None:
+        """Why this fit cannot run under oscars, or ``None``."""
+        if getattr(trainer, "_val_check_time_interval", None) is not None:
+            return (
+                "A time-based val_check_interval is decided on each rank's own clock; under oscars use an int or"
+                " float val_check_interval, or strategy='ddp'."
+            )
+        if trainer.overfit_batches > 0:  # type: ignore[attr-defined]
+            return "overfit_batches is not supported by strategy='oscars'; use strategy='ddp'"
+        if isinstance(trainer.fit_loop._data_fetcher, _DataLoaderIterDataFetcher) or (
+            "dataloader_iter" in inspect.signature(module.training_step).parameters
+        ):
+            return "training_step(dataloader_iter) is not supported by strategy='oscars'"
+        return None
+
+    @staticmethod
+    def sync_module_states(module: torch.nn.Module) -> None:
+        """Start every rank from rank 0's parameters and buffers (what the DDP wrapper would do)."""
+        _sync_module_states(module)
+
+
+def _skip(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+_EXIT_HANDLER_REGISTERED = False
+
+
+def destroy_gloo_group_at_exit() -> None:
+    """Destroy a gloo default process group when the interpreter exits, while it is still fully alive.
+
+    Left to interpreter finalisation, gloo's worker threads can still hold finished work whose tensors need the
+    GIL, and the process aborts ("terminate called without an active exception", exit code 134) after training
+    succeeded; seen under ddp and oscars alike in about one run in three. Destroying is local for gloo (no
+    collective), so it cannot hang on a peer that already left. NCCL groups are left to the user and Lightning.
+    """
+    global _EXIT_HANDLER_REGISTERED
+    if _EXIT_HANDLER_REGISTERED:
+        return
+    _EXIT_HANDLER_REGISTERED = True
+
+    def destroy() -> None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+
+    atexit.register(destroy)

@@ -1,0 +1,165 @@
+"""What the ranks tell each other at a round's end, and what every rank keeps of the round.
+
+The control data rides in the tail of the averaging buffer (:class:`~lightning_oscars.averaging.FlatAverager`),
+so a round costs one all-reduce whatever it carries. Every rank writes its own row (:class:`RankReport`) and
+zeros elsewhere; flags are summed, so "any rank asked" is a sum above zero. :meth:`Contribution.encode` and
+:meth:`ControlData.decode` are the only code that knows the layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ControlData", "Contribution", "RankReport", "RoundRecord"]
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's row: what it measured in the round just ended.
+
+    Attributes:
+        step_time: median seconds per local step in this round (0: it took no step).
+        samples: samples it trained on.
+        compute: seconds its local steps took (data loading included).
+        allreduce: seconds its previous all-reduce took (the last rank to arrive waits least).
+        global_step: Lightning's ``global_step`` (must agree: a rank that stepped differently is an error).
+    """
+
+    step_time: float = 0.0
+    samples: int = 0
+    compute: float = 0.0
+    allreduce: float = 0.0
+    global_step: int = 0
+
+
+_ROW = len(dataclasses.fields(RankReport))
+_FLAGS = ("stop", "sigterm", "requeue")
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """This rank's part of the control data: its row, its averaging weight and its requests."""
+
+    rank: int
+    report: RankReport
+    weight: float = 1.0
+    stop: bool = False
+    sigterm: bool = False
+    requeue: bool = False
+
+    def encode(self, world_size: int) -> list[float]:
+        if not 0 <= self.rank < world_size:
+            raise ValueError(f"rank {self.rank} outside a world of {world_size}")
+        vector = [0.0] * ControlData.size(world_size)
+        start = self.rank * _ROW
+        vector[start : start + _ROW] = [float(v) for v in dataclasses.astuple(self.report)]
+        vector[ControlData.weight_index(world_size)] = float(self.weight)
+        for offset, name in enumerate(_FLAGS, start=1):
+            vector[ControlData.weight_index(world_size) + offset] = float(getattr(self, name))
+        return vector
+
+
+@dataclass(frozen=True)
+class ControlData:
+    """The control data summed over ranks: every rank's row, the total weight and whether any rank asked for a
+    stop, a SIGTERM shutdown or a requeue."""
+
+    ranks: tuple[RankReport, ...]
+    weight: float
+    stop: bool
+    sigterm: bool
+    requeue: bool
+
+    @staticmethod
+    def size(world_size: int) -> int:
+        return world_size * _ROW + 1 + len(_FLAGS)
+
+    @staticmethod
+    def weight_index(world_size: int) -> int:
+        return world_size * _ROW
+
+    @classmethod
+    def decode(cls, summed: Sequence[float], world_size: int) -> ControlData:
+        if len(summed) != cls.size(world_size):
+            raise ValueError(f"control data of {len(summed)} entries for {world_size} ranks")
+        rows = []
+        for rank in range(world_size):
+            step_time, samples, compute, allreduce, global_step = summed[rank * _ROW : (rank + 1) * _ROW]
+            rows.append(RankReport(step_time, round(samples), compute, allreduce, round(global_step)))
+        g = cls.weight_index(world_size)
+        stop, sigterm, requeue = (summed[g + i] > 0.0 for i in range(1, 1 + len(_FLAGS)))
+        return cls(tuple(rows), summed[g], stop, sigterm, requeue)
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One averaging, as every rank agreed on it. ``period``, ``idle_times`` and ``utilization`` are derived.
+
+    Attributes:
+        round: 1-based count of averagings in this fit.
+        time: seconds since training started.
+        epoch / global_step: where it happened.
+        local_steps: the local steps in force during the round.
+        step_times: every rank's smoothed seconds per step after the round.
+        samples / compute_times: per rank, what the round trained and how long its local steps took.
+        allreduce_time: the all-reduce cost known after the round.
+        rebalanced: whether a new schedule was adopted at this averaging.
+    """
+
+    round: int
+    time: float
+    epoch: int
+    global_step: int
+    local_steps: tuple[int, ...]
+    step_times: tuple[float, ...]
+    samples: tuple[int, ...]
+    compute_times: tuple[float, ...]
+    allreduce_time: float
+    rebalanced: bool
+
+    @property
+    def period(self) -> float:
+        """``T*`` as measured: the busiest rank's compute time."""
+        return max(self.compute_times, default=0.0)
+
+    @property
+    def idle_times(self) -> tuple[float, ...]:
+        """Seconds each rank waited for the busiest one."""
+        return tuple(self.period - c for c in self.compute_times)
+
+    @property
+    def wall(self) -> float:
+        """The round's wall time: the busiest rank's compute plus the all-reduce."""
+        return self.period + self.allreduce_time
+
+    @property
+    def rank_utilization(self) -> tuple[float, ...]:
+        """Each rank's share of the round spent computing."""
+        return tuple(c / self.wall if self.wall > 0 else 0.0 for c in self.compute_times)
+
+    @property
+    def utilization(self) -> float:
+        """The cluster's share of the round spent computing (waits and the all-reduce count as lost)."""
+        per_rank = self.rank_utilization
+        return sum(per_rank) / len(per_rank) if per_rank else 0.0
+
+    def __getitem__(self, key: str) -> Any:
+        # Records were dicts before 0.2: ``record["local_steps"]`` keeps working.
+        if key not in _RECORD_KEYS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field and derived value, as plain lists (JSON-ready)."""
+        return {key: list(v) if isinstance(v := getattr(self, key), tuple) else v for key in _RECORD_KEYS}
+
+
+_RECORD_KEYS = tuple(f.name for f in dataclasses.fields(RoundRecord)) + (
+    "period",
+    "idle_times",
+    "utilization",
+    "rank_utilization",
+)

@@ -1,0 +1,269 @@
+"""The round controller: one fit's rounds, without Lightning and without torch.distributed.
+
+:class:`RoundController` owns what a rank knows about its rounds: the epoch's plan, the step clock, the
+per-round step-time median, the counters since the last averaging, the pending requests (stop, SIGTERM,
+requeue) and the history. The strategy drives it:
+
+1. :meth:`~RoundController.plan_epoch` at each epoch start;
+2. per slot :meth:`~RoundController.begin_slot` (the slot's data arrived) and :meth:`~RoundController.end_slot`
+   (its hooks ran), which says when a round ends;
+3. :meth:`~RoundController.contribution` (this rank's control data), the all-reduce (done by the scheme),
+   then :meth:`~RoundController.absorb` with everyone's summed control data, which returns a
+   :class:`RoundOutcome` that every rank computes identically.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_oscars.control import Contribution, ControlData, RankReport, RoundRecord
+from lightning_oscars.loader import SlotInfo
+from lightning_oscars.partition import EpochPlan
+from lightning_oscars.policy import SchedulePolicy
+from lightning_oscars.timing import LapClock, StepTimeEstimator, WallClock
+
+__all__ = ["RoundController", "RoundOutcome"]
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What an averaging decided, the same on every rank.
+
+    Attributes:
+        record: the round as every rank agreed on it.
+        stop: some rank asked to stop (``should_stop``, an expired ``Timer``).
+        sigterm: some rank received SIGTERM: every rank shuts down at this batch.
+        requeue: some rank received the requeue signal: every rank runs the requeue handler now.
+        rebalanced: a new schedule was adopted.
+        resized: the epoch got shorter (the first schedule cut an epoch sized as an upper bound).
+    """
+
+    record: RoundRecord
+    stop: bool
+    sigterm: bool
+    requeue: bool
+    rebalanced: bool
+    resized: bool
+
+
+class RoundController:
+    """Round bookkeeping of one rank for one ``fit`` (see the module docstring).
+
+    Args:
+        policy: decides the local steps; :meth:`begin_fit` starts it.
+        world_size / rank: this rank's place.
+        weighted: weight this rank's model by its samples in the round (else every rank weighs 1).
+        clock: measures local steps (host wall clock by default; CUDA events on a GPU).
+        now: wall clock for the record's ``time``.
+    """
+
+    def __init__(
+        self,
+        policy: SchedulePolicy,
+        world_size: int,
+        rank: int,
+        *,
+        weighted: bool = False,
+        clock: LapClock | None = None,
+        now: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside a world of {world_size}")
+        self.policy = policy
+        self.world_size = world_size
+        self.rank = rank
+        self.weighted = weighted
+        self.clock: LapClock = clock if clock is not None else WallClock()
+        self._now = now
+        self.history: list[RoundRecord] = []
+        self.num_averagings = 0
+        self.allreduce_cost = 0.0  # the agreed cost of one averaging, as the solver sees it
+        self.plan: EpochPlan | None = None
+        self.planned_epoch = -1
+        self.slot = SlotInfo(True, 0)
+        self.failed = False  # this rank raised or its all-reduce broke: skip every further collective
+        self._started = now()
+        self._medians = StepTimeEstimator(smoothing=1.0)  # the round's median; the policy smooths across rounds
+        self._last_allreduce = 0.0
+        self._upper_bound = False
+        self._replan_pending = False
+        self._stop = self._sigterm = self._requeue = False
+        self._reset_round()
+
+    def _reset_round(self) -> None:
+        self._slots_since_average = 0
+        self._round_samples = 0
+        self._slot_laps: list[tuple[int, float]] = []
+
+    # ------------------------------------------------------------------ fit and epochs
+
+    def begin_fit(self, max_steps: int | None = None) -> None:
+        self.policy.begin(self.world_size, max_steps)
+        self._started = self._now()
+
+    @property
+    def local_steps(self) -> tuple[int, ...]:
+        return self.policy.local_steps
+
+    def plan_epoch(self, epoch: int, total_units: int, bound: int) -> EpochPlan:
+        """The plan of ``epoch`` over ``total_units`` units in at most ``bound`` slots (the loader's length). A
+        plan restored from a checkpoint for this epoch is kept (resume mid-epoch)."""
+        plan = self.plan
+        if plan is None or self.planned_epoch != epoch or plan.total_units != total_units:
+            total_slots, self._upper_bound = self.policy.epoch_slots(total_units, bound)
+            plan = self.plan = EpochPlan(self.world_size, total_units, total_slots, self.local_steps)
+            self.planned_epoch = epoch
+        self._replan_pending = False
+        self.clock.drain()
+        self._reset_round()
+        return plan
+
+    def forget_plan(self) -> None:
+        """The epoch's units changed (a new accumulation size): the next :meth:`plan_epoch` plans afresh."""
+        self.plan = None
+
+    # ------------------------------------------------------------------ slots
+
+    def begin_slot(self, slot: SlotInfo) -> None:
+        """The next slot's data is here. A real step's clock starts now and stops in :meth:`end_slot`; its data
+        loading, measured by the loader, is added."""
+        self.slot = slot
+        if slot.real:
+            self.clock.mark()
+
+    def end_slot(self, batch_idx: int, batches_per_slot: int, epoch_batches: float) -> int | None:
+        """Batch ``batch_idx`` of the epoch finished its hooks. Returns the slot where the next round starts if
+        the batch ended a round (time to average), else ``None``."""
+        plan = self.plan
+        if plan is None:
+            return None
+        slot = batch_idx // batches_per_slot
+        if self.slot.real:
+            self.clock.lap()
+            self._slot_laps.append((slot, self.slot.fetch_seconds or 0.0))
+            self._round_samples += self.slot.samples
+        slot_done = (batch_idx + 1) % batches_per_slot == 0 or batch_idx + 1 >= epoch_batches
+        if not slot_done or slot >= plan.total_slots:
+            return None
+        rnd = plan.round_at(slot)
+        if rnd.is_empty:
+            return None
+        self._slots_since_average += 1
+        return rnd.end_slot if slot + 1 == rnd.end_slot else None
+
+    @property
+    def needs_average(self) -> bool:
+        """Whether a rank trained since the last averaging (the same answer on every rank)."""
+        return self._slots_since_average > 0 and not self.failed
+
+    # ------------------------------------------------------------------ requests
+
+    def request_stop(self) -> None:
+        self._stop = True
+
+    def request_sigterm(self) -> bool:
+        """Record a SIGTERM; return whether it is the first."""
+        first, self._sigterm = not self._sigterm, True
+        return first
+
+    def request_requeue(self) -> None:
+        self._requeue = True
+
+    # ------------------------------------------------------------------ the averaging
+
+    def contribution(self, global_step: int, stop: bool = False) -> Contribution:
+        """This rank's control data for the averaging about to happen (closes the round's measurements)."""
+        per_slot: dict[int, float] = {}
+        for (slot, fetch), seconds in zip(self._slot_laps, self.clock.drain()):
+            per_slot[slot] = per_slot.get(slot, 0.0) + seconds + fetch
+        for seconds in per_slot.values():
+            self._medians.add(seconds)
+        median = (self._medians.end_round() or 0.0) if self._medians.pending else 0.0
+        report = RankReport(median, self._round_samples, sum(per_slot.values()), self._last_allreduce, global_step)
+        weight = float(self._round_samples) if self.weighted else 1.0
+        return Contribution(self.rank, report, weight, self._stop or stop, self._sigterm, self._requeue)
+
+    def absorb(
+        self, summed: ControlData, *, allreduce_s: float, epoch: int, global_step: int, next_round: int | None
+    ) -> RoundOutcome:
+        """Everyone's control data arrived (and the models were combined): update the schedule, maybe re-plan
+        the rest of the epoch from ``next_round`` (``None`` for an extra averaging inside a round)."""
+        self._last_allreduce = allreduce_s
+        self.num_averagings += 1
+        steps = {r.global_step for r in summed.ranks}
+        if len(steps) > 1:
+            raise RuntimeError(
+                f"Ranks disagree on global_step ({sorted(steps)}). Under manual optimization oscars needs every"
+                " training_step to call optimizer.step() the same number of times."
+            )
+        costs = [r.allreduce for r in summed.ranks if r.allreduce > 0.0]
+        if costs:  # the last rank to arrive waits least: its duration is the closest to the transfer cost
+            self.allreduce_cost = min(costs)
+        in_force = self.local_steps
+        rebalanced = self.policy.observe([r.step_time for r in summed.ranks], self.allreduce_cost)
+        record = RoundRecord(
+            round=self.num_averagings,
+            time=self._now() - self._started,
+            epoch=epoch,
+            global_step=global_step,
+            local_steps=in_force,
+            step_times=tuple(self.policy.estimate),
+            samples=tuple(r.samples for r in summed.ranks),
+            compute_times=tuple(r.compute for r in summed.ranks),
+            allreduce_time=self.allreduce_cost,
+            rebalanced=rebalanced,
+        )
+        self.history.append(record)
+        resized = self._replan(rebalanced, next_round)
+        self._stop = False
+        if summed.requeue:
+            self._requeue = False
+        self._reset_round()
+        return RoundOutcome(record, summed.stop, summed.sigterm, summed.requeue, rebalanced, resized)
+
+    def _replan(self, rebalanced: bool, next_round: int | None) -> bool:
+        """Follow a new schedule from the next round boundary; return whether the epoch got shorter. A schedule
+        adopted at an extra averaging (before validation or a checkpoint) waits for the next boundary."""
+        self._replan_pending = self._replan_pending or rebalanced
+        plan = self.plan
+        if not self._replan_pending or next_round is None or plan is None or next_round >= plan.total_slots:
+            return False
+        # The first epoch was sized as an upper bound while speeds were unknown: cut it to what is needed.
+        plan.replan(next_round, self.local_steps, shrink=self._upper_bound)
+        self._replan_pending = False
+        resized, self._upper_bound = self._upper_bound, False
+        return resized
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Schedule, timing estimates and the epoch's plan, as stored in checkpoints under ``"oscars"``."""
+        estimate = self.policy.estimate
+        return {
+            "world_size": self.world_size,
+            **self.policy.state_dict(),
+            "allreduce_time": self.allreduce_cost,
+            "estimate": estimate[self.rank] if len(estimate) > self.rank and estimate[self.rank] > 0 else None,
+            "num_averagings": self.num_averagings,
+            "plan_epoch": self.planned_epoch,
+            "plan": None if self.plan is None else self.plan.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any] | None, total_units: int | None) -> EpochPlan | None:
+        """Resume from :meth:`state_dict` (after :meth:`begin_fit`). A different world size starts fresh: per-rank
+        timings mean nothing then. Returns the restored plan of the checkpointed epoch, if it fits the loader's
+        ``total_units``."""
+        if not state or state.get("world_size") != self.world_size:
+            return None
+        self.num_averagings = int(state.get("num_averagings", 0))
+        self.allreduce_cost = float(state.get("allreduce_time") or 0.0)
+        self.policy.load_state_dict(state, self.allreduce_cost)
+        plan = state.get("plan")
+        if plan is None or plan["total_units"] != total_units:
+            return None
+        self.plan = EpochPlan.from_state_dict(self.world_size, plan)
+        self.planned_epoch = int(state["plan_epoch"])
+        return self.plan

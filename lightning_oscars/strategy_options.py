@@ -1,0 +1,106 @@
+"""The options of ``OscarsStrategy``, validated, and the schedule policy they configure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning_oscars.policy import SchedulePolicy, Solver
+
+__all__ = ["OscarsOptions", "check_ddp_wrapper_options"]
+
+
+class OscarsOptions:
+    """The strategy's own constructor options as attributes (what LightningCLI prints and a config sets)."""
+
+    solver: Solver
+    averaging: str
+    average_optimizer_state: bool
+    max_spread: int
+    max_local_steps: int
+    efficiency_tolerance: float
+    warmup_steps: int
+    rebalance_threshold: float
+    min_gain: float
+    smoothing: float
+    pinned_step_times: tuple[float, ...] | None
+    pinned_local_steps: tuple[int, ...] | None
+    seed: int | None
+    monitor: bool
+
+    def _set_options(
+        self,
+        *,
+        solver: Solver,
+        averaging: str,
+        average_optimizer_state: bool,
+        max_spread: int,
+        max_local_steps: int,
+        efficiency_tolerance: float,
+        warmup_steps: int,
+        rebalance_threshold: float,
+        min_gain: float,
+        smoothing: float,
+        step_times: Sequence[float] | None,
+        local_steps: Sequence[int] | None,
+        seed: int | None,
+        monitor: bool,
+    ) -> None:
+        if averaging not in ("uniform", "samples"):
+            raise ValueError(f"averaging must be 'uniform' or 'samples', got {averaging!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        # The policy validates the schedule options (and raises naming the option).
+        policy = SchedulePolicy(
+            solver,
+            max_spread=max_spread,
+            max_local_steps=max_local_steps,
+            tolerance=efficiency_tolerance,
+            warmup_steps=warmup_steps,
+            rebalance_threshold=rebalance_threshold,
+            min_gain=min_gain,
+            smoothing=smoothing,
+            step_times=step_times,
+            local_steps=local_steps,
+        )
+        self.solver = solver
+        self.averaging = averaging
+        self.average_optimizer_state = bool(average_optimizer_state)
+        self.max_spread = max_spread
+        self.max_local_steps = max_local_steps
+        self.efficiency_tolerance = float(efficiency_tolerance)
+        self.warmup_steps = warmup_steps
+        self.rebalance_threshold = float(rebalance_threshold)
+        self.min_gain = float(min_gain)
+        self.smoothing = float(smoothing)
+        self.pinned_step_times = policy.pinned_step_times
+        self.pinned_local_steps = policy.pinned_local_steps
+        self.seed = seed
+        self.monitor = bool(monitor)
+
+    def make_policy(self) -> SchedulePolicy:
+        """A fresh schedule policy for one fit."""
+        return SchedulePolicy(
+            self.solver,
+            max_spread=self.max_spread,
+            max_local_steps=self.max_local_steps,
+            tolerance=self.efficiency_tolerance,
+            warmup_steps=self.warmup_steps,
+            rebalance_threshold=self.rebalance_threshold,
+            min_gain=self.min_gain,
+            smoothing=self.smoothing,
+            step_times=self.pinned_step_times,
+            local_steps=self.pinned_local_steps,
+        )
+
+
+def check_ddp_wrapper_options(options: dict[str, Any], warn: Callable[[str], Any]) -> None:
+    """DDP gradient hooks would silently do nothing without the DDP wrapper: an error. The wrapper's other
+    options (``find_unused_parameters``, ``static_graph``, ...) are harmless to drop: a warning."""
+    hooks = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+    for name in hooks:
+        if options.get(name) is not None:
+            raise ValueError(f"{name} is a DDP gradient-hook option; oscars does not wrap the model in DDP")
+    ignored = sorted(name for name in options if name not in hooks)
+    if ignored:
+        warn("oscars does not wrap the model in DistributedDataParallel; ignoring " + ", ".join(ignored))
