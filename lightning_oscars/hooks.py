@@ -28,13 +28,14 @@ class EpochCallback(Callback):
         self.strategy = strategy
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.strategy.begin_rounds(trainer)
+        self.strategy.driver.begin_rounds(trainer)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.strategy.prepare_epoch(trainer)
+        self.strategy.driver.prepare_epoch(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.strategy.align_epoch_metrics(trainer)
+        if self.strategy.is_active:
+            self.strategy.driver.align_epoch_metrics(trainer)
         self.strategy.average_if_pending()
 
 
@@ -46,7 +47,7 @@ class RoundCallback(Callback):
         self.strategy = strategy
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
-        self.strategy.finish_slot(trainer, kwargs.get("batch_idx", args[-1] if args else 0))
+        self.strategy.driver.finish_slot(trainer, kwargs.get("batch_idx", args[-1] if args else 0))
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.average_if_pending()

@@ -20,8 +20,6 @@ callbacks that drive the rounds), ``loader`` (the data). This class wires them t
 
 from __future__ import annotations
 
-import signal
-import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -40,12 +38,10 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_oscars.adapter import LightningAdapter, destroy_gloo_group_at_exit
-from lightning_oscars.averaging import agree_on_layout, averaged_tensors, optimizer_state_layout
-from lightning_oscars.control import ControlData, RoundRecord
-from lightning_oscars.epoch_metrics import align_epoch_metrics
-from lightning_oscars.faults import FailureBoard, describe_collective_failure
+from lightning_oscars.control import RoundRecord
+from lightning_oscars.driver import RoundDriver
 from lightning_oscars.hooks import insert_round_callbacks
-from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, empty_batch, training_set_size
+from lightning_oscars.loader import empty_batch
 from lightning_oscars.monitor import ScheduleMonitor
 from lightning_oscars.policy import Solver
 from lightning_oscars.rounds import RoundController
@@ -160,10 +156,8 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             seed=seed,
             monitor=monitor,
         )
-        self.scheme: SyncScheme = self.make_scheme()
-        self.rounds = RoundController(self.scheme.policy, 1, 0)
-        self._adapter = LightningAdapter(lambda: self.rounds.slot.real, torch.device("cpu"))
-        self._loader: LoadBalancedLoader | None = None
+        scheme = self.make_scheme()
+        self.driver = RoundDriver(self, scheme, RoundController(scheme.policy, 1, 0), torch.device("cpu"))
         self._noop_batch: Any = None
         self._in_local_step = False
         self._restored: dict[str, Any] | None = None
@@ -186,6 +180,15 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         return self.rounds.slot.real
 
     @property
+    def rounds(self) -> RoundController:
+        """The round controller of the current (or last) fit."""
+        return self.driver.rounds
+
+    @property
+    def scheme(self) -> SyncScheme:
+        return self.driver.scheme
+
+    @property
     def local_steps(self) -> tuple[int, ...]:
         """Every rank's local steps in the current round."""
         return self.rounds.local_steps
@@ -206,6 +209,19 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
     def state_dict(self) -> dict[str, Any]:
         """Schedule, timing estimates and the epoch's plan, as stored in checkpoints under ``"oscars"``."""
         return self.rounds.state_dict()
+
+    def average_if_pending(self) -> None:
+        """Average now if any rank trained since the last averaging (the same answer on every rank)."""
+        trainer = LightningAdapter.trainer_of(self.lightning_module)
+        if self._fitting(trainer) and self.rounds.needs_average:
+            assert trainer is not None
+            self.driver.average(trainer, next_round=None)
+
+    def report_failure(self, error: BaseException) -> None:
+        """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""
+        if self.is_active and not isinstance(error, SIGTERMException):
+            # SIGTERM is a coordinated stop (all ranks, same batch): collectives stay matched.
+            self.driver.report_failure(error)
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -235,18 +251,20 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         problem = LightningAdapter.unsupported(trainer, self.lightning_module)
         if problem is not None:
             raise ValueError(problem)
-        self.scheme = self.make_scheme()
-        if isinstance(self.scheme, ModelAveraging):
-            self.scheme.device = self.root_device
-        self.rounds = RoundController(
-            self.scheme.policy,
+        scheme = self.make_scheme()
+        if isinstance(scheme, ModelAveraging):
+            scheme.device = self.root_device
+        rounds = RoundController(
+            scheme.policy,
             self.world_size,
             self.global_rank,
             weighted=self.averaging == "samples",
             clock=make_clock(self.root_device),
         )
-        self.rounds.begin_fit(trainer.max_steps)
-        self._adapter = LightningAdapter(lambda: self.rounds.slot.real, self.root_device)
+        rounds.begin_fit(trainer.max_steps)
+        self.driver.close()  # a previous fit on this Trainer, if any
+        self.driver = RoundDriver(self, scheme, rounds, self.root_device)
+        self.driver.restored, self._restored = self._restored, None
         callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
         monitor = (
             ScheduleMonitor() if self.monitor and not any(isinstance(cb, ScheduleMonitor) for cb in callbacks) else None
@@ -263,21 +281,11 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             raise ValueError(
                 f"strategy='oscars' needs a torch DataLoader for training, got {type(dataloader).__name__}"
             )
-        loader = LoadBalancedLoader(
-            dataloader,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            batches_per_slot=LightningAdapter.accumulation_at(trainer, trainer.current_epoch),
-            order=EpochOrder.of(dataloader.sampler, training_set_size(dataloader), self.seed),
-        )
-        loader.max_slots = self.scheme.policy.epoch_slot_bound(loader.total_units)
-        self._loader = loader
-        self.rounds.forget_plan()
-        return loader
+        return self.driver.wrap_dataloader(trainer, dataloader)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        loader = self._loader
+        loader = self.driver.loader
         trainer = LightningAdapter.trainer_of(self.lightning_module)
         if loader is None or trainer is None or not trainer.training or not loader.has_pending_slot:
             return super().batch_to_device(batch, device, dataloader_idx)
@@ -353,147 +361,9 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._adapter.remove()
-        self.scheme.release()
-        self._loader = None
+        self.driver.close()
         self._noop_batch = None
         super().teardown()
 
     def _fitting(self, trainer: Trainer | None) -> bool:
         return self.is_active and trainer is not None and trainer.state.fn == TrainerFn.FITTING
-
-    # ------------------------------------------------------------------ rounds (driven by hooks.py)
-
-    def begin_rounds(self, trainer: Trainer) -> None:
-        """Training starts: install the adapter, restore a checkpoint's rounds, continue a resumed epoch."""
-        self._adapter.install(trainer, self._on_sigterm, self.rounds.request_requeue)
-        restored, self._restored = self._restored, None
-        loader = self._loader
-        plan = self.rounds.load_state_dict(restored, loader.total_units if loader else None)
-        if plan is not None and loader is not None:
-            # A plan checkpointed under a looser bound (an older release) must still fit in the loader.
-            loader.max_slots = max(loader.max_slots, plan.total_slots)
-        position = LightningAdapter.resume_position(trainer)
-        if position is not None:
-            self.prepare_epoch(trainer, resume_at=position)
-
-    def _on_sigterm(self) -> None:
-        if self.rounds.request_sigterm() and self.launcher is not None:
-            self.launcher.kill(signal.SIGTERM)
-
-    def prepare_epoch(self, trainer: Trainer, resume_at: int = 0) -> None:
-        """Plan the epoch, hand it to the loader and tell Lightning its length."""
-        loader = self._loader
-        if loader is None:
-            return
-        epoch = trainer.current_epoch
-        accumulation = LightningAdapter.accumulation_at(trainer, epoch)
-        if accumulation != loader.batches_per_slot:
-            # A GradientAccumulationScheduler changed the slot size: units, bounds and the plan follow.
-            loader.set_batches_per_slot(accumulation)
-            loader.max_slots = self.scheme.policy.epoch_slot_bound(loader.total_units)
-            self.rounds.forget_plan()
-        plan = self.rounds.plan_epoch(epoch, loader.total_units, loader.max_slots)
-        order = None
-        if loader.order.shared:
-            # A custom sampler's draw depends on its random state, which differs between ranks: rank 0 draws the
-            # epoch and every rank partitions that same draw (one collective per epoch, at its start, on all ranks).
-            order = self.broadcast(loader.order.draw(epoch) if self.global_rank == 0 else None, src=0)
-        loader.start_epoch(plan, epoch, order, start_position=resume_at)
-        self._adapter.start_epoch()
-        LightningAdapter.size_epoch(trainer, plan.total_slots * loader.batches_per_slot)
-
-    def finish_slot(self, trainer: Trainer, batch_idx: int) -> None:
-        """A batch finished its hooks: maybe end the round."""
-        if trainer.should_stop:  # a rank-local stop request waits for the round boundary
-            self.rounds.request_stop()
-            trainer.should_stop = False
-        assert self._loader is not None
-        next_round = self.rounds.end_slot(batch_idx, self._loader.batches_per_slot, trainer.num_training_batches)
-        if next_round is not None:
-            self.average(trainer, next_round=next_round)
-
-    def align_epoch_metrics(self, trainer: Trainer) -> None:
-        """Match the epoch-end ``sync_dist`` reductions across ranks (see ``epoch_metrics.py``): one small
-        collective at every training epoch end, on every rank."""
-        results = LightningAdapter.epoch_results(trainer)
-        if not self.is_active or self.rounds.failed or results is None:
-            return
-
-        def gather(keys: dict[str, dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
-            everyone: list[Any] = [None] * self.world_size
-            torch.distributed.all_gather_object(everyone, keys)
-            return everyone
-
-        align_epoch_metrics(results, gather, self.reduce, self.root_device)
-
-    def average_if_pending(self) -> None:
-        """Average now if any rank trained since the last averaging (the same answer on every rank)."""
-        trainer = LightningAdapter.trainer_of(self.lightning_module)
-        if self._fitting(trainer) and self.rounds.needs_average:
-            assert trainer is not None
-            self.average(trainer, next_round=None)
-
-    def average(self, trainer: Trainer, next_round: int | None) -> None:
-        """The round's one collective: combine the models and the control data, then act on the outcome."""
-        rounds = self.rounds
-        mine = rounds.contribution(trainer.global_step, stop=self._adapter.timer_expired())
-        if self.root_device.type == "cuda":  # the rank's queued work is not part of the all-reduce
-            torch.cuda.synchronize(self.root_device)
-        started = time.perf_counter()
-        n = self.world_size
-        try:
-            summed = self.scheme.synchronize(
-                self._synchronized_tensors(trainer), mine.encode(n), ControlData.weight_index(n)
-            )
-        except Exception as error:  # a peer died, raised or hung past the timeout: name it, then stop
-            raise RuntimeError(self._collective_failure(error)) from error
-        outcome = rounds.absorb(
-            ControlData.decode(summed, n),
-            allreduce_s=time.perf_counter() - started,
-            epoch=trainer.current_epoch,
-            global_step=trainer.global_step,
-            next_round=next_round,
-        )
-        if outcome.resized:
-            assert self._loader is not None and rounds.plan is not None
-            LightningAdapter.size_epoch(trainer, rounds.plan.total_slots * self._loader.batches_per_slot)
-        if outcome.stop:
-            trainer.should_stop = True
-        if outcome.sigterm:
-            LightningAdapter.mark_sigterm(trainer)
-        if outcome.requeue:
-            # A requeue signal (SLURM's SIGUSR1) reached some rank: its handler runs now, on every rank at the same
-            # batch, so the checkpoint it writes meets matched collectives.
-            self._adapter.run_requeue_handler()
-
-    def _synchronized_tensors(self, trainer: Trainer) -> list[Tensor]:
-        """What a round combines: trainable parameters, buffers, averaged copies of the model kept by callbacks
-        (EMA) and, if asked, the optimizer state every rank holds."""
-        extra = LightningAdapter.averaged_copies(trainer)
-        module = self.lightning_module
-        assert module is not None
-        if not self.average_optimizer_state:
-            return averaged_tensors(module, extra_modules=extra)
-        # Which parameters have optimizer state differs between ranks (a head some rank never used): only the state
-        # every rank holds is averaged, so that all ranks pack buffers of one layout.
-        mask = agree_on_layout(optimizer_state_layout(self.optimizers), self.root_device)
-        return averaged_tensors(module, self.optimizers, state_mask=mask, extra_modules=extra)
-
-    def _collective_failure(self, error: BaseException) -> str:
-        self.rounds.failed = True
-        n, rank = self.world_size, self.global_rank
-        board = FailureBoard.from_default_group(n)
-        round_index = self.rounds.num_averagings + 1
-        if board is not None:
-            return board.explain(rank, round_index, error)
-        return describe_collective_failure(rank, n, round_index, {}, [rank], f"{type(error).__name__}: {error}")
-
-    def report_failure(self, error: BaseException) -> None:
-        """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""
-        if self.rounds.failed or not self.is_active or isinstance(error, SIGTERMException):
-            return  # SIGTERM is a coordinated stop (all ranks, same batch): collectives stay matched
-        self.rounds.failed = True
-        board = FailureBoard.from_default_group(self.world_size)
-        if board is not None:
-            board.report_error(self.global_rank, error)

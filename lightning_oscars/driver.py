@@ -1,0 +1,203 @@
+"""The round driver: one fit's rounds, wired to Lightning.
+
+:class:`RoundDriver` connects the pure parts (the round controller, the scheme, the loader) to the trainer:
+the callbacks of ``hooks.py`` call it at epoch starts, batch ends, before validation and at the end of fit;
+the strategy calls it when a batch is moved to the device and before a checkpoint is written. Every private
+Lightning access goes through ``adapter.py``.
+
+One round, from Lightning's hook to the all-reduce and back::
+
+    RoundCallback.on_train_batch_end -> finish_slot -> RoundController.end_slot (round over?)
+      -> average: RoundController.contribution -> Contribution.encode -> SyncScheme.synchronize (one all-reduce)
+      -> ControlData.decode -> RoundController.absorb (policy.observe, re-plan) -> RoundOutcome -> trainer
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch import Trainer
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_oscars.adapter import LightningAdapter
+from lightning_oscars.averaging import agree_on_layout, averaged_tensors, optimizer_state_layout
+from lightning_oscars.control import ControlData
+from lightning_oscars.epoch_metrics import align_epoch_metrics
+from lightning_oscars.faults import FailureBoard, describe_collective_failure
+from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, training_set_size
+from lightning_oscars.rounds import RoundController
+from lightning_oscars.schemes import SyncScheme
+
+if TYPE_CHECKING:
+    from lightning_oscars.strategy import OscarsStrategy
+
+__all__ = ["RoundDriver"]
+
+
+class RoundDriver:
+    """Drives one fit's rounds for ``strategy`` (see the module docstring)."""
+
+    def __init__(
+        self, strategy: OscarsStrategy, scheme: SyncScheme, rounds: RoundController, device: torch.device
+    ) -> None:
+        self.strategy = strategy
+        self.scheme = scheme
+        self.rounds = rounds
+        self.adapter = LightningAdapter(lambda: self.rounds.slot.real, device)
+        self.loader: LoadBalancedLoader | None = None
+        self.restored: dict[str, Any] | None = None
+
+    def wrap_dataloader(self, trainer: Trainer, dataloader: DataLoader) -> LoadBalancedLoader:
+        """The load-balanced loader over the user's training loader."""
+        s = self.strategy
+        loader = LoadBalancedLoader(
+            dataloader,
+            rank=s.global_rank,
+            world_size=s.world_size,
+            batches_per_slot=LightningAdapter.accumulation_at(trainer, trainer.current_epoch),
+            order=EpochOrder.of(dataloader.sampler, training_set_size(dataloader), s.seed),
+        )
+        loader.max_slots = self.scheme.policy.epoch_slot_bound(loader.total_units)
+        self.loader = loader
+        self.rounds.forget_plan()
+        return loader
+
+    def begin_rounds(self, trainer: Trainer) -> None:
+        """Training starts: install the adapter, restore a checkpoint's rounds, continue a resumed epoch."""
+        self.adapter.install(trainer, self._on_sigterm, self.rounds.request_requeue)
+        restored, self.restored = self.restored, None
+        loader = self.loader
+        plan = self.rounds.load_state_dict(restored, loader.total_units if loader else None)
+        if plan is not None and loader is not None:
+            # A plan checkpointed under a looser bound (an older release) must still fit in the loader.
+            loader.max_slots = max(loader.max_slots, plan.total_slots)
+        position = LightningAdapter.resume_position(trainer)
+        if position is not None:
+            self.prepare_epoch(trainer, resume_at=position)
+
+    def _on_sigterm(self) -> None:
+        launcher = self.strategy.launcher
+        if self.rounds.request_sigterm() and launcher is not None:
+            launcher.kill(signal.SIGTERM)
+
+    def prepare_epoch(self, trainer: Trainer, resume_at: int = 0) -> None:
+        """Plan the epoch, hand it to the loader and tell Lightning its length."""
+        loader = self.loader
+        if loader is None:
+            return
+        epoch = trainer.current_epoch
+        accumulation = LightningAdapter.accumulation_at(trainer, epoch)
+        if accumulation != loader.batches_per_slot:
+            # A GradientAccumulationScheduler changed the slot size: units, bounds and the plan follow.
+            loader.set_batches_per_slot(accumulation)
+            loader.max_slots = self.scheme.policy.epoch_slot_bound(loader.total_units)
+            self.rounds.forget_plan()
+        plan = self.rounds.plan_epoch(epoch, loader.total_units, loader.max_slots)
+        order = None
+        if loader.order.shared:
+            # A custom sampler's draw depends on its random state, which differs between ranks: rank 0 draws the
+            # epoch and every rank partitions that same draw (one collective per epoch, at its start, on all ranks).
+            mine = loader.order.draw(epoch) if self.strategy.global_rank == 0 else None
+            order = self.strategy.broadcast(mine, src=0)
+        loader.start_epoch(plan, epoch, order, start_position=resume_at)
+        self.adapter.start_epoch()
+        LightningAdapter.size_epoch(trainer, plan.total_slots * loader.batches_per_slot)
+
+    def finish_slot(self, trainer: Trainer, batch_idx: int) -> None:
+        """A batch finished its hooks: maybe end the round."""
+        if trainer.should_stop:  # a rank-local stop request waits for the round boundary
+            self.rounds.request_stop()
+            trainer.should_stop = False
+        if self.loader is None:
+            return
+        next_round = self.rounds.end_slot(batch_idx, self.loader.batches_per_slot, trainer.num_training_batches)
+        if next_round is not None:
+            self.average(trainer, next_round=next_round)
+
+    def align_epoch_metrics(self, trainer: Trainer) -> None:
+        """Match the epoch-end ``sync_dist`` reductions across ranks (see ``epoch_metrics.py``): one small
+        collective at every training epoch end, on every rank."""
+        s = self.strategy
+        results = LightningAdapter.epoch_results(trainer)
+        if self.rounds.failed or results is None:
+            return
+
+        def gather(keys: dict[str, dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
+            everyone: list[Any] = [None] * s.world_size
+            torch.distributed.all_gather_object(everyone, keys)
+            return everyone
+
+        align_epoch_metrics(results, gather, s.reduce, s.root_device)
+
+    def average(self, trainer: Trainer, next_round: int | None) -> None:
+        """The round's one collective: combine the models and the control data, then act on the outcome."""
+        rounds, device, n = self.rounds, self.strategy.root_device, self.strategy.world_size
+        mine = rounds.contribution(trainer.global_step, stop=self.adapter.timer_expired())
+        if device.type == "cuda":  # the rank's queued work is not part of the all-reduce
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        try:
+            tensors = self._synchronized_tensors(trainer)
+            summed = self.scheme.synchronize(tensors, mine.encode(n), ControlData.weight_index(n))
+        except Exception as error:  # a peer died, raised or hung past the timeout: name it, then stop
+            raise RuntimeError(self._collective_failure(error)) from error
+        outcome = rounds.absorb(
+            ControlData.decode(summed, n),
+            allreduce_s=time.perf_counter() - started,
+            epoch=trainer.current_epoch,
+            global_step=trainer.global_step,
+            next_round=next_round,
+        )
+        if outcome.resized:
+            assert self.loader is not None and rounds.plan is not None
+            LightningAdapter.size_epoch(trainer, rounds.plan.total_slots * self.loader.batches_per_slot)
+        if outcome.stop:
+            trainer.should_stop = True
+        if outcome.sigterm:
+            LightningAdapter.mark_sigterm(trainer)
+        if outcome.requeue:
+            # A requeue signal (SLURM's SIGUSR1) reached some rank: its handler runs now, on every rank at the same
+            # batch, so the checkpoint it writes meets matched collectives.
+            self.adapter.run_requeue_handler()
+
+    def _synchronized_tensors(self, trainer: Trainer) -> list[Tensor]:
+        """What a round combines: trainable parameters, buffers, averaged copies of the model kept by callbacks
+        (EMA) and, if asked, the optimizer state every rank holds."""
+        s = self.strategy
+        extra = LightningAdapter.averaged_copies(trainer)
+        module = s.lightning_module
+        assert module is not None
+        if not s.average_optimizer_state:
+            return averaged_tensors(module, extra_modules=extra)
+        # Which parameters have optimizer state differs between ranks (a head some rank never used): only the state
+        # every rank holds is averaged, so that all ranks pack buffers of one layout.
+        mask = agree_on_layout(optimizer_state_layout(s.optimizers), s.root_device)
+        return averaged_tensors(module, s.optimizers, state_mask=mask, extra_modules=extra)
+
+    def _collective_failure(self, error: BaseException) -> str:
+        self.rounds.failed = True
+        n, rank = self.strategy.world_size, self.strategy.global_rank
+        board = FailureBoard.from_default_group(n)
+        round_index = self.rounds.num_averagings + 1
+        if board is not None:
+            return board.explain(rank, round_index, error)
+        return describe_collective_failure(rank, n, round_index, {}, [rank], f"{type(error).__name__}: {error}")
+
+    def report_failure(self, error: BaseException) -> None:
+        """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""
+        if self.rounds.failed:
+            return
+        self.rounds.failed = True
+        board = FailureBoard.from_default_group(self.strategy.world_size)
+        if board is not None:
+            board.report_error(self.strategy.global_rank, error)
+
+    def close(self) -> None:
+        """The fit is over: undo the adapter's patches, drop buffers and the loader."""
+        self.adapter.remove()
+        self.scheme.release()
+        self.loader = None
