@@ -45,7 +45,13 @@ def ddp_fit() -> list[float]:
     L.seed_everything(1, verbose=False)
     module = ToyModule(n=256)
     trainer = L.Trainer(
-        strategy="ddp", accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_progress_bar=False
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
     )
     trainer.fit(module)
     return weights(module)
