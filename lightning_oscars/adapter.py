@@ -49,6 +49,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper  # noqa: E402
 from lightning.pytorch import LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ThroughputMonitor, Timer, WeightAveraging  # noqa: E402
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher  # noqa: E402
@@ -56,7 +57,13 @@ from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa:
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches  # noqa: E402
 from lightning.pytorch.trainer.states import RunningStage  # noqa: E402
 
-__all__ = ["LightningAdapter", "check_lightning_version"]
+__all__ = [
+    "LightningAdapter",
+    "check_lightning_version",
+    "default_store",
+    "destroy_gloo_group_at_exit",
+    "unwrap_sampler",
+]
 
 Handler = Callable[[int, Any], Any]
 
@@ -281,9 +288,28 @@ class LightningAdapter:
         return None
 
     @staticmethod
+    def uses_sync_batchnorm(strategy: Any) -> bool:
+        """Whether the Trainer asked for ``sync_batchnorm`` (its connector hands the strategy a layer sync)."""
+        return getattr(strategy, "_layer_sync", None) is not None
+
+    @staticmethod
     def sync_module_states(module: torch.nn.Module) -> None:
         """Start every rank from rank 0's parameters and buffers (what the DDP wrapper would do)."""
         _sync_module_states(module)
+
+
+def unwrap_sampler(sampler: object) -> object:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (or ``sampler`` itself)."""
+    if isinstance(sampler, DistributedSamplerWrapper):
+        return sampler.dataset._sampler  # type: ignore[attr-defined]
+    return sampler
+
+
+def default_store() -> Any:
+    """The rendezvous store of torch.distributed's default group (raises without one)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
 
 
 def _skip(*args: Any, **kwargs: Any) -> None:

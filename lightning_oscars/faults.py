@@ -62,10 +62,10 @@ class FailureBoard:
 
     @classmethod
     def from_default_group(cls, world_size: int) -> FailureBoard | None:
-        try:
-            from torch.distributed import distributed_c10d
+        from lightning_oscars.adapter import default_store
 
-            return cls(distributed_c10d._get_default_store(), world_size)
+        try:
+            return cls(default_store(), world_size)
         except Exception:  # noqa: BLE001 - no group, or a backend without a store: no notes
             return None
 

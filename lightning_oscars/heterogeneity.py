@@ -15,6 +15,7 @@ from typing import Any, Union
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 __all__ = ["HeterogeneityEmulator", "SlowdownProfile"]
 
@@ -73,14 +74,17 @@ class HeterogeneityEmulator(Callback):
         profile = self.profiles.get(rank)
         return 1.0 if profile is None else profile.factor_at(elapsed)
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._rng = random.Random(self.seed * 1000 + trainer.global_rank)
         self._started = time.perf_counter()
         self._batch_start = None
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
         now = time.perf_counter()
         start, self._batch_start = self._batch_start, None

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
+from typing_extensions import override
 
 if TYPE_CHECKING:
     from lightning_oscars.strategy import OscarsStrategy
@@ -27,12 +28,15 @@ class EpochCallback(Callback):
     def __init__(self, strategy: OscarsStrategy) -> None:
         self.strategy = strategy
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.driver.begin_rounds(trainer)
 
+    @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.driver.prepare_epoch(trainer)
 
+    @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.strategy.is_active:
             self.strategy.driver.align_epoch_metrics(trainer)
@@ -46,15 +50,19 @@ class RoundCallback(Callback):
     def __init__(self, strategy: OscarsStrategy) -> None:
         self.strategy = strategy
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
         self.strategy.driver.finish_slot(trainer, kwargs.get("batch_idx", args[-1] if args else 0))
 
+    @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.average_if_pending()
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.average_if_pending()
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Runs before checkpoint callbacks' on_exception, so that a failing rank saves without collectives.
         self.strategy.report_failure(exception)

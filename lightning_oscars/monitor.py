@@ -13,6 +13,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_oscars.control import RoundRecord
 
@@ -107,9 +108,11 @@ class ScheduleMonitor(Callback):
         self.summary = summary
         self._logged = 0  # history records already handled
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._logged = len(_history(trainer))
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
         # Only after a round ended: Lightning keeps showing progress-bar values until they are logged again, so
         # the per-step hot path costs one length check.
@@ -120,9 +123,11 @@ class ScheduleMonitor(Callback):
             pl_module.log("tau", float(tau), prog_bar=True, logger=False, on_step=True, on_epoch=False)
             pl_module.log("util", float(last.utilization), prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
+    @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._flush(trainer)
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._flush(trainer)
         history = _history(trainer)

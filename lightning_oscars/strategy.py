@@ -241,7 +241,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING or not self.is_active:
             return
-        if self._layer_sync is not None:
+        if LightningAdapter.uses_sync_batchnorm(self):
             raise ValueError(
                 "sync_batchnorm=True all-reduces inside every forward pass, which oscars' local steps cannot"
                 " allow; BatchNorm statistics are averaged at every round instead. Remove sync_batchnorm, or"
