@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.tables import markdown_table
+
 CONFIGS = {
     "ddp": ["--strategy", "ddp"],
     "local_sgd": ["--strategy", "local_sgd"],
@@ -128,24 +130,33 @@ def _f(value, fmt: str) -> str:
 
 
 def table(profile: str, summary: dict) -> list[str]:
-    lines = [
+    headers = ["strategy", "train wall s (runs)", "samples/s", "vs ddp", "utilisation", "of ideal", "idle s per rank"]
+    headers += ["to target s", "vs ddp", "val acc", "delta pts", "final tau"]
+    rows = []
+    for name, s in summary["configs"].items():
+        idle = "/".join(f"{v:.1f}" for v in s["median_idle_s"]) if "median_idle_s" in s else "-"
+        rows.append(
+            [
+                name,
+                f"{s['median_train_wall_s']:.1f} ({', '.join(str(w) for w in s['walls'])})",
+                f"{s['median_samples_per_s']:.0f}",
+                f"{_f(s['throughput_vs_ddp'], '.2f')}x",
+                _f(s.get("median_utilization"), ".2f"),
+                _f(s.get("median_fraction_of_ideal"), ".2f"),
+                idle,
+                _f(s["median_time_to_target_s"], ".1f"),
+                f"{_f(s['time_to_target_speedup'], '.2f')}x",
+                f"{s['median_val_acc']:.4f}",
+                _f(s["acc_delta_pts"], "+.2f"),
+                s["schedule"] or "-",
+            ]
+        )
+    return [
         f"### {profile}: slowdown `{PROFILES.get(profile, profile)}`, "
         f"target accuracy {_f(summary['target_acc'], '.4f')}",
         "",
-        "| strategy | train wall s (runs) | samples/s | vs ddp | utilisation | of ideal | idle s per rank "
-        "| to target s | vs ddp | val acc | delta pts | final tau |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
+        *markdown_table(headers, rows, "llrrrrlrrrrl"),
     ]
-    for name, s in summary["configs"].items():
-        idle = "/".join(f"{v:.1f}" for v in s["median_idle_s"]) if "median_idle_s" in s else "-"
-        lines.append(
-            f"| {name} | {s['median_train_wall_s']:.1f} ({', '.join(str(w) for w in s['walls'])}) "
-            f"| {s['median_samples_per_s']:.0f} | {_f(s['throughput_vs_ddp'], '.2f')}x "
-            f"| {_f(s.get('median_utilization'), '.2f')} | {_f(s.get('median_fraction_of_ideal'), '.2f')} | {idle} "
-            f"| {_f(s['median_time_to_target_s'], '.1f')} | {_f(s['time_to_target_speedup'], '.2f')}x "
-            f"| {s['median_val_acc']:.4f} | {_f(s['acc_delta_pts'], '+.2f')} | {s['schedule'] or '-'} |"
-        )
-    return lines
 
 
 def plot(results: dict[str, dict], path: Path) -> None:

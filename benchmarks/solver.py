@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.tables import markdown_table
 from lightning_oscars.solver import Schedule, solve_schedule, solve_schedule_alg1
 
 # Speed mixes: seconds per step of one rank, drawn per rank.
@@ -28,6 +29,17 @@ MIXES: dict[str, Callable[[random.Random], float]] = {
     "generations": lambda rng: 0.1 * rng.choice([1.0] * 55 + [2.5] * 40 + [5.0] * 5) * rng.uniform(0.97, 1.03),
 }
 RANKS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+# The columns of the markdown table formatted as they are (3 decimals), after the mix and the rank count.
+_TABLE_KEYS = (
+    "exact_ms",
+    "alg1_ms",
+    "exact_idle_fraction",
+    "best_idle_fraction",
+    "alg1_idle_fraction",
+    "exact_utilization",
+    "best_utilization",
+    "alg1_utilization",
+)
 
 
 def _time_solve(solve: Callable[[], Schedule], repeats: int) -> tuple[float, Schedule]:
@@ -101,18 +113,15 @@ def main() -> None:
         f"M={a.max_spread}, max_local_steps={a.max_local_steps} for both solvers; exact = default tolerance 0.05, "
         "best = exact with tolerance 0; throughput = optimizer steps/s summed over ranks)",
         "",
-        "| mix | ranks | exact ms | alg1 ms | idle exact | idle best | idle alg1 | util exact | util best | util alg1 "
-        "| thr exact/alg1 | thr best/alg1 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['mix']} | {r['ranks']} | {r['exact_ms']:.3f} | {r['alg1_ms']:.3f} | {r['exact_idle_fraction']:.3f} "
-            f"| {r['best_idle_fraction']:.3f} | {r['alg1_idle_fraction']:.3f} | {r['exact_utilization']:.3f} "
-            f"| {r['best_utilization']:.3f} | {r['alg1_utilization']:.3f} "
-            f"| {r['exact_throughput'] / r['alg1_throughput']:.3f} "
-            f"| {r['best_throughput'] / r['alg1_throughput']:.3f} |"
-        )
+    headers = ["mix", "ranks", "exact ms", "alg1 ms", "idle exact", "idle best", "idle alg1", "util exact"]
+    headers += ["util best", "util alg1", "thr exact/alg1", "thr best/alg1"]
+    cells = [
+        [r["mix"], r["ranks"], *(f"{r[k]:.3f}" for k in _TABLE_KEYS)]
+        + [f"{r['exact_throughput'] / r['alg1_throughput']:.3f}", f"{r['best_throughput'] / r['alg1_throughput']:.3f}"]
+        for r in rows
+    ]
+    lines += markdown_table(headers, cells, "l" + "r" * 11)
     (out / "solver.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out / "solver.png")
     print("\n".join(lines))

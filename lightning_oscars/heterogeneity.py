@@ -53,7 +53,6 @@ class HeterogeneityEmulator(Callback):
         slowdown: ``{rank: factor}`` or ``{rank: [(seconds, factor), ...]}``; ranks not listed run at full speed.
         jitter: relative noise on every sleep (0.1 = +-10%, uniform), seeded per rank.
         seed: seed of the jitter.
-        clock_start: ``"fit"`` measures profile times from the start of training.
 
     Attributes:
         slept: total seconds this rank slept.

@@ -1,4 +1,4 @@
-"""Unit tests of the cluster simulator (benchmarks/simulator.py): closed-form cases it must reproduce exactly,
+"""Unit tests of the cluster simulator (benchmarks/simulator): closed-form cases it must reproduce exactly,
 the mechanisms copied from the strategy, and the validation / CLI plumbing (on benchmark results the simulator
 itself generates from known inputs, which the validation must recover). Fast: no torch.distributed."""
 

@@ -1,0 +1,3 @@
+from benchmarks.simulator.cli import main
+
+main()
