@@ -51,8 +51,12 @@ class RoundDriver:
         self.loader: LoadBalancedLoader | None = None
         self.restored: dict[str, Any] | None = None
 
-    def wrap_dataloader(self, trainer: Trainer, dataloader: DataLoader) -> LoadBalancedLoader:
+    def wrap_dataloader(self, trainer: Trainer, dataloader: object) -> LoadBalancedLoader:
         """The load-balanced loader over the user's training loader."""
+        if not isinstance(dataloader, DataLoader):
+            raise ValueError(
+                f"strategy='oscars' needs a torch DataLoader for training, got {type(dataloader).__name__}"
+            )
         s = self.strategy
         loader = LoadBalancedLoader(
             dataloader,

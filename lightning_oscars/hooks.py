@@ -12,6 +12,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
+from lightning_oscars.monitor import ScheduleMonitor
+
 if TYPE_CHECKING:
     from lightning_oscars.strategy import OscarsStrategy
 
@@ -68,9 +70,10 @@ class RoundCallback(Callback):
         self.strategy.report_failure(exception)
 
 
-def insert_round_callbacks(strategy: OscarsStrategy, callbacks: list[Callback], extra: Callback | None) -> None:
-    """Put the epoch callback first and the round callback (then ``extra``, the monitor) before the first
-    checkpoint callback; callbacks of an earlier fit on the same Trainer are replaced."""
+def insert_round_callbacks(strategy: OscarsStrategy, callbacks: list[Callback], monitor: bool) -> None:
+    """Put the epoch callback first and the round callback (then a ``ScheduleMonitor`` if asked and none is there)
+    before the first checkpoint callback; callbacks of an earlier fit on the same Trainer are replaced."""
+    extra = ScheduleMonitor() if monitor and not any(isinstance(cb, ScheduleMonitor) for cb in callbacks) else None
     callbacks[:] = [cb for cb in callbacks if not isinstance(cb, (EpochCallback, RoundCallback))]
     callbacks.insert(0, EpochCallback(strategy))
     position = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))

@@ -1,21 +1,11 @@
 """``OscarsStrategy``: load-balanced local SGD as a Lightning ``DDPStrategy``.
 
-How a run proceeds (every rank, in lockstep on Lightning's batch counter):
-
-* Each epoch is cut into *rounds* (see ``partition.py``). In a round every rank iterates the same slots; rank
-  ``i`` trains in its first ``tau_i`` slots and treats the rest as no-ops: no data is fetched, no forward,
-  backward or optimizer step runs, but Lightning's counters, step-interval LR schedulers and hooks advance as
-  on every other rank. So ``global_step``, ``max_steps``, ``val_check_interval`` and checkpoint triggers fire
-  at the same batch on all ranks, which is what keeps every collective matched.
-* At the end of a round the scheme combines the models (one all-reduce for averaging schemes) and every rank's
-  control data (``control.py``): step times, samples, stop / SIGTERM / requeue requests. Every rank's policy then
-  reaches the same schedule from the same numbers.
-* Averaging also happens before validation, before a checkpoint is written, at the end of every epoch and of
-  ``fit``, so that evaluation and checkpoints see the averaged model.
-
-The parts: ``rounds.RoundController`` (the round logic, no Lightning), ``policy.SchedulePolicy`` (the schedule),
-``schemes`` (how ranks meet), ``adapter.LightningAdapter`` (every private Lightning access), ``hooks`` (the
-callbacks that drive the rounds), ``loader`` (the data). This class wires them to Lightning's strategy hooks.
+Every rank iterates the same batches ("slots"); rank ``i`` trains in ``tau_i`` of each round's slots and treats
+the rest as no-ops that still advance Lightning's counters, so every trigger and collective stays matched. At a
+round's end the scheme combines the models and the control data in one all-reduce. This class only wires the
+parts to Lightning's strategy hooks: ``driver.RoundDriver`` (one fit's rounds), ``rounds.RoundController`` (the
+round logic, no Lightning), ``policy.SchedulePolicy``, ``schemes``, ``adapter.LightningAdapter`` (every private
+Lightning access), ``hooks`` and ``loader``; see ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -34,7 +24,6 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_oscars.adapter import LightningAdapter, destroy_gloo_group_at_exit
@@ -42,7 +31,6 @@ from lightning_oscars.control import RoundRecord
 from lightning_oscars.driver import RoundDriver
 from lightning_oscars.hooks import insert_round_callbacks
 from lightning_oscars.loader import empty_batch
-from lightning_oscars.monitor import ScheduleMonitor
 from lightning_oscars.policy import Solver
 from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import ModelAveraging, SyncScheme
@@ -265,11 +253,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         self.driver.close()  # a previous fit on this Trainer, if any
         self.driver = RoundDriver(self, scheme, rounds, self.root_device)
         self.driver.restored, self._restored = self._restored, None
-        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
-        monitor = (
-            ScheduleMonitor() if self.monitor and not any(isinstance(cb, ScheduleMonitor) for cb in callbacks) else None
-        )
-        insert_round_callbacks(self, callbacks, monitor)
+        insert_round_callbacks(self, trainer.callbacks, monitor=self.monitor)  # type: ignore[attr-defined]
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -277,10 +261,6 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         if not self._fitting(trainer) or trainer.state.stage != RunningStage.TRAINING:  # type: ignore[union-attr]
             return dataloader
         assert trainer is not None
-        if not isinstance(dataloader, DataLoader):
-            raise ValueError(
-                f"strategy='oscars' needs a torch DataLoader for training, got {type(dataloader).__name__}"
-            )
         return self.driver.wrap_dataloader(trainer, dataloader)
 
     @override
