@@ -47,9 +47,13 @@ class RoundDriver:
         self.strategy = strategy
         self.scheme = scheme
         self.rounds = rounds
-        self.adapter = LightningAdapter(lambda: self.rounds.slot.real, device)
+        # A bound method, not a closure: a spawn launcher pickles the strategy with its driver.
+        self.adapter = LightningAdapter(self.slot_is_real, device)
         self.loader: LoadBalancedLoader | None = None
         self.restored: dict[str, Any] | None = None
+
+    def slot_is_real(self) -> bool:
+        return self.rounds.slot.real
 
     def wrap_dataloader(self, trainer: Trainer, dataloader: object) -> LoadBalancedLoader:
         """The load-balanced loader over the user's training loader."""

@@ -226,9 +226,13 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and self.is_active:
+            # Before the parent's setup: configure_optimizers may already read estimated_stepping_batches, which
+            # builds the training loader (process_dataloader) with this fit's driver.
+            self._begin_fit(trainer)
         super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING or not self.is_active:
-            return
+
+    def _begin_fit(self, trainer: Trainer) -> None:
         if LightningAdapter.uses_sync_batchnorm(self):
             raise ValueError(
                 "sync_batchnorm=True all-reduces inside every forward pass, which oscars' local steps cannot"
