@@ -75,7 +75,7 @@ def main() -> None:
     wall = time.perf_counter() - start
     if trainer.global_rank == 0:
         s = trainer.strategy
-        history = list(getattr(s, "history", []))
+        history = [r.as_dict() for r in getattr(s, "history", [])]
         name = a.strategy if a.strategy != "oscars" else f"oscars-{a.solver}-{a.averaging}"
         result = {
             "strategy": name,
