@@ -9,7 +9,7 @@ zeros elsewhere; flags are summed, so "any rank asked" is a sum above zero. :met
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +95,7 @@ class ControlData:
 
 
 @dataclass(frozen=True)
-class RoundRecord:
+class RoundRecord(Mapping[str, Any]):
     """One averaging, as every rank agreed on it. ``period``, ``idle_times`` and ``utilization`` are derived.
 
     Attributes:
@@ -146,15 +146,23 @@ class RoundRecord:
         per_rank = self.rank_utilization
         return sum(per_rank) / len(per_rank) if per_rank else 0.0
 
+    # Records were dicts before 0.2: ``record["local_steps"]`` (a list, as then), ``.get``, ``dict(record)`` and
+    # iteration over the keys keep working.
     def __getitem__(self, key: str) -> Any:
-        # Records were dicts before 0.2: ``record["local_steps"]`` keeps working.
         if key not in _RECORD_KEYS:
             raise KeyError(key)
-        return getattr(self, key)
+        value = getattr(self, key)
+        return list(value) if isinstance(value, tuple) else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_RECORD_KEYS)
+
+    def __len__(self) -> int:
+        return len(_RECORD_KEYS)
 
     def as_dict(self) -> dict[str, Any]:
         """Every field and derived value, as plain lists (JSON-ready)."""
-        return {key: list(v) if isinstance(v := getattr(self, key), tuple) else v for key in _RECORD_KEYS}
+        return dict(self)
 
 
 _RECORD_KEYS = tuple(f.name for f in dataclasses.fields(RoundRecord)) + (

@@ -117,7 +117,8 @@ def test_record_derives_period_idle_and_utilization():
     r = RoundRecord(1, 0.0, 0, 4, (3, 1), (0.1, 0.3), (48, 16), (0.3, 0.2), 0.1, False)
     assert r.period == 0.3 and r.idle_times == pytest.approx((0.0, 0.1))
     assert r.utilization == pytest.approx(0.5 / (2 * 0.4))
-    assert r["local_steps"] == (3, 1) and r.as_dict()["idle_times"] == pytest.approx([0.0, 0.1])
+    assert r["local_steps"] == [3, 1] and r.local_steps == (3, 1)  # subscripts read as the dicts of 0.1 did
+    assert r.as_dict()["idle_times"] == pytest.approx([0.0, 0.1]) and dict(r)["period"] == r.get("period")
     with pytest.raises(KeyError):
         r["nope"]
 
