@@ -1,19 +1,26 @@
-"""Heterogeneous speed-up, side by side: ddp, fixed-period local SGD and oscars (each solver and averaging
-mode) on 2 CPU ranks, for several slowdown profiles, several repeats, medians and ratios from one invocation.
+"""Heterogeneous speed-up, side by side: ddp, fixed-period local SGD and oscars on emulated clusters of 2 or 4 CPU
+ranks, in two regimes, for several slowdown profiles, several repeats, medians and ratios from one invocation.
 
-    python -m benchmarks.heterogeneous --repeats 3 --epochs 4
+    python -m benchmarks.heterogeneous --regime cpu --repeats 3
+    python -m benchmarks.heterogeneous --regime gpu-like --repeats 3
     python -m benchmarks.heterogeneous --profiles 1x/3x --configs ddp,oscars-exact-uniform --repeats 1
+
+Regimes (benchmarks/task.py): ``cpu``, every step real compute (3-4 ms, the ranks contend for the 2 cores);
+``gpu-like``, every step mostly a 30 ms sleep at 1x (as a host waiting for its GPU) beside a small model, so
+even 4 ranks share 2 cores without contention and what remains is the strategies' own cost.
 
 Definitions (the same for every strategy; see benchmarks/README.md):
 * train wall: from the end of each rank's start-up calibration to the end of training (slowest rank), time
   spent in validation excluded (the same validation runs under every strategy).
 * step time of a rank ``t_i``: seconds per real optimizer step when it does not wait for anybody, as oscars
   measures it (median over the oscars runs of the profile); an emulated ``k``x rank adds ``(k-1)`` times its
-  calibrated compute time. ``ideal`` = sum of the ranks' solo throughputs ``batch / t_i``.
-* utilisation = sum_i (real steps_i x t_i) / (ranks x train wall); idle_i = train wall - real steps_i x t_i.
-* time to target: first validation (4 per epoch) whose accuracy reaches the target, which is ddp's median
-  final accuracy minus 1 point.
-Writes benchmarks/results/heterogeneous.{json,md,png}.
+  calibrated device time per step. busy_i = real steps_i x t_i.
+* of ideal: ``lightning_oscars.control.fraction_of_ideal`` = samples/s over ``sum_i batch / t_i``; the strategy's
+  end-of-fit summary prints the same figure (recorded as ``monitor_fraction_of_ideal``).
+* local_sgd-matched: fixed-period local SGD with the number of averagings per epoch of the oscars run just
+  before it (``max_local_steps`` = oscars' mean final tau); it must follow an oscars config in ``--configs``.
+* time to target: first validation whose accuracy reaches the target, ddp's median final accuracy minus 1 point.
+Writes benchmarks/results/<name>.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.tables import markdown_table
+from lightning_oscars.control import fraction_of_ideal
 
 CONFIGS = {
     "ddp": ["--strategy", "ddp"],
@@ -36,6 +44,7 @@ CONFIGS = {
     "oscars-exact-samples": ["--strategy", "oscars", "--solver", "exact", "--averaging", "samples"],
     "oscars-alg1-uniform": ["--strategy", "oscars", "--solver", "alg1", "--averaging", "uniform"],
     "oscars-alg1-samples": ["--strategy", "oscars", "--solver", "alg1", "--averaging", "samples"],
+    "local_sgd-matched": ["--strategy", "oscars", "--solver", "uniform"],  # + max_local_steps, see matched_args
 }
 PROFILES = {
     "homogeneous": "",
@@ -44,15 +53,33 @@ PROFILES = {
     "1x/5x": "1:5",
     # rank 1 starts 3x slower; after 3 s the ranks swap speeds
     "volatile": "1:3@0,1@3;0:1@0,3@3",
+    # 4 ranks of three speeds
+    "1x/1x/2x/4x": "2:2;3:4",
+}
+REGIMES = {
+    "cpu": {"args": [], "epochs": 4},
+    "gpu-like": {"args": ["--step-ms", "30", "--hidden", "128", "--n-train", "8192"], "epochs": 2},
 }
 
 
+def ranks_of(slowdown: str) -> int:
+    """The cluster size a profile names: its highest rank + 1, at least 2."""
+    return max([2] + [int(part.split(":")[0]) + 1 for part in filter(None, slowdown.split(";"))])
+
+
+def matched_args(oscars_run: dict) -> list[str]:
+    """Fixed-period local SGD with as many averagings per epoch as ``oscars_run``: a round of ``n`` ranks x ``H``
+    batches consumes what an oscars round of ``sum(tau)`` does when ``H = mean(tau)``."""
+    tau = oscars_run["schedule"]
+    return ["--option", f"max_local_steps={max(1, round(sum(tau) / len(tau)))}"]
+
+
 def run(args: list[str], epochs: int, slowdown: str, show: bool = False) -> dict:
-    """One 2-rank training run in a fresh process group; returns rank 0's JSON summary."""
+    """One training run in a fresh process group; returns rank 0's JSON summary."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         cmd = [sys.executable, "-m", "benchmarks.train_job", *args, "--epochs", str(epochs), "--out", str(out)]
-        cmd += ["--slowdown", slowdown] + (["--progress"] if show else [])
+        cmd += ["--slowdown", slowdown, "--devices", str(ranks_of(slowdown))] + (["--progress"] if show else [])
         leaked = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
         env = {k: v for k, v in os.environ.items() if k not in leaked}
         env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
@@ -68,21 +95,21 @@ def base_step_time(runs: list[dict]) -> float | None:
 
 
 def cluster_figures(run_: dict, base_s: float, batch_size: int = 64) -> dict:
-    """Utilisation, idle time and fraction of ideal of one run, from the ranks' own step accounting."""
+    """Fraction of ideal and idle time of one run, from the ranks' own step accounting."""
     wall = run_["train_wall_s"]
-    busy, rates = [], []
+    busy, times = [], []
     for rank in run_["cluster"]:
         steps = rank["real_steps"]
-        # busy = real steps at the measured base time + the emulated extra (k-1) * calibrated compute per step
+        # busy = real steps at the measured base time + the emulated extra (k-1) * calibrated device time per step
         busy.append(steps * base_s + (rank["busy_s"] - steps * rank["solo_step_s"]))
-        rates.append(batch_size / (base_s + (rank["start_factor"] - 1.0) * rank["solo_step_s"]))
-    n = len(busy)
-    throughput = run_["samples"] / wall
+        # at the starting factor: the volatile profile swaps two speeds, which leaves sum_i 1/t_i unchanged
+        times.append(base_s + (rank["start_factor"] - 1.0) * rank["solo_step_s"])
+    history = run_.get("history") or []
     return {
-        "utilization": sum(busy) / (n * wall),
         "idle_s": [max(0.0, wall - b) for b in busy],
-        "ideal_samples_per_s": sum(rates),
-        "fraction_of_ideal": throughput / sum(rates),
+        "ideal_samples_per_s": sum(batch_size / t for t in times),
+        "fraction_of_ideal": fraction_of_ideal(busy, times, wall),
+        "changes_per_100_rounds": 100.0 * run_.get("schedule_changes", 0) / len(history) if history else None,
     }
 
 
@@ -110,13 +137,21 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "schedule": rs[-1]["schedule"],
             "runs": rs,
         }
+        allreduce = [r["allreduce_s"] for r in rs if r.get("allreduce_s")]
+        s["median_allreduce_ms"] = 1e3 * statistics.median(allreduce) if allreduce else None
+        changes = [r["changes_per_100_rounds"] for r in rs if r.get("changes_per_100_rounds") is not None]
+        s["median_changes_per_100_rounds"] = statistics.median(changes) if changes else None
+        s["median_rounds"] = statistics.median(r["rounds"] for r in rs)
         if base_s is not None:
-            s["median_utilization"] = statistics.median(r["utilization"] for r in rs)
             s["median_fraction_of_ideal"] = statistics.median(r["fraction_of_ideal"] for r in rs)
             s["median_idle_s"] = [statistics.median(r["idle_s"][i] for r in rs) for i in range(len(rs[0]["idle_s"]))]
         summary["configs"][name] = s
     base = summary["configs"].get("ddp")
+    matched = summary["configs"].get("local_sgd-matched")
     for s in summary["configs"].values():
+        s["throughput_vs_local_sgd_matched"] = (
+            s["median_samples_per_s"] / matched["median_samples_per_s"] if matched else None
+        )
         s["throughput_vs_ddp"] = s["median_samples_per_s"] / base["median_samples_per_s"] if base else None
         t_ddp = base.get("median_time_to_target_s") if base else None
         t = s["median_time_to_target_s"]
@@ -130,8 +165,8 @@ def _f(value, fmt: str) -> str:
 
 
 def table(profile: str, summary: dict) -> list[str]:
-    headers = ["strategy", "train wall s (runs)", "samples/s", "vs ddp", "utilisation", "of ideal", "idle s per rank"]
-    headers += ["to target s", "vs ddp", "val acc", "delta pts", "final tau"]
+    headers = ["strategy", "train wall s (runs)", "samples/s", "vs ddp", "vs matched", "of ideal", "idle s per rank"]
+    headers += ["all-reduce ms", "rounds", "changes /100", "to target s", "vs ddp", "val acc", "delta pts", "final tau"]
     rows = []
     for name, s in summary["configs"].items():
         idle = "/".join(f"{v:.1f}" for v in s["median_idle_s"]) if "median_idle_s" in s else "-"
@@ -141,9 +176,12 @@ def table(profile: str, summary: dict) -> list[str]:
                 f"{s['median_train_wall_s']:.1f} ({', '.join(str(w) for w in s['walls'])})",
                 f"{s['median_samples_per_s']:.0f}",
                 f"{_f(s['throughput_vs_ddp'], '.2f')}x",
-                _f(s.get("median_utilization"), ".2f"),
-                _f(s.get("median_fraction_of_ideal"), ".2f"),
+                f"{_f(s['throughput_vs_local_sgd_matched'], '.2f')}x",
+                _f(s.get("median_fraction_of_ideal"), ".3f"),
                 idle,
+                _f(s["median_allreduce_ms"], ".2f"),
+                _f(s["median_rounds"], ".0f"),
+                _f(s["median_changes_per_100_rounds"], ".1f"),
                 _f(s["median_time_to_target_s"], ".1f"),
                 f"{_f(s['time_to_target_speedup'], '.2f')}x",
                 f"{s['median_val_acc']:.4f}",
@@ -155,7 +193,7 @@ def table(profile: str, summary: dict) -> list[str]:
         f"### {profile}: slowdown `{PROFILES.get(profile, profile)}`, "
         f"target accuracy {_f(summary['target_acc'], '.4f')}",
         "",
-        *markdown_table(headers, rows, "llrrrrlrrrrl"),
+        *markdown_table(headers, rows, "llrrrrlrrrrrrrl"),
     ]
 
 
@@ -182,20 +220,35 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--regime", choices=sorted(REGIMES), default="cpu")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=None, help="default: 4 (cpu), 2 (gpu-like)")
     p.add_argument("--profiles", default="1x/2x,1x/3x,1x/5x,volatile,homogeneous")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "local_sgd-matched"))
+    p.add_argument("--option", action="append", default=[], help="extra OscarsStrategy option (key=JSON) for oscars")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="heterogeneous")
     a = p.parse_args()
+    regime = REGIMES[a.regime]
+    epochs = a.epochs or regime["epochs"]
     names = a.configs.split(",")
+    extra = [x for pair in a.option for x in ("--option", pair)]
     results: dict[str, dict] = {}
     for profile in a.profiles.split(","):
         runs: dict[str, list[dict]] = {n: [] for n in names}
         for i in range(a.repeats):
+            last_oscars = None
             for name in names:  # interleaved, so drifts of the machine hit every configuration alike
-                r = run(CONFIGS[name], a.epochs, PROFILES[profile])
+                args = CONFIGS[name] + regime["args"]
+                if name == "local_sgd-matched":
+                    if last_oscars is None:
+                        raise SystemExit("local_sgd-matched must follow an oscars config in --configs")
+                    args = args + matched_args(last_oscars)
+                elif name.startswith("oscars"):
+                    args = args + extra
+                r = run(args, epochs, PROFILES[profile])
+                if name.startswith("oscars"):
+                    last_oscars = r
                 runs[name].append(r)
                 print(
                     f"{profile:12s} [{i + 1}/{a.repeats}] {name:22s} train {r['train_wall_s']:5.1f}s "
@@ -205,9 +258,22 @@ def main() -> None:
         results[profile] = summarize(runs)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"repeats": a.repeats, "epochs": a.epochs, "ranks": 2, "profiles": {k: PROFILES[k] for k in results}}
+    meta = {
+        "regime": a.regime,
+        "regime_args": regime["args"],
+        "oscars_options": a.option,
+        "repeats": a.repeats,
+        "epochs": epochs,
+        "ranks": {k: ranks_of(PROFILES[k]) for k in results},
+        "profiles": {k: PROFILES[k] for k in results},
+    }
     (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "profiles": results}, indent=1))
-    lines = [f"{a.epochs} epochs of 16,384 samples, 2 CPU ranks, {a.repeats} repeats (medians), interleaved.", ""]
+    setup = " ".join(regime["args"]) or "16,384 samples, real compute only"
+    lines = [
+        f"Regime `{a.regime}` ({setup}), {epochs} epochs, CPU ranks, {a.repeats} repeats (medians), interleaved.",
+        f"oscars options: {' '.join(a.option) or 'defaults'}.",
+        "",
+    ]
     for profile, summary in results.items():
         lines += table(profile, summary) + [""]
     (out / f"{a.name}.md").write_text("\n".join(lines))

@@ -166,6 +166,7 @@ def median_of(runs: list[dict[str, Any]], rank: int, key: str) -> float | None:
 
 def main() -> None:
     from benchmarks.tables import markdown_table  # here: the ranks run this file as a script
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--slots", type=int, default=2048, help="slots (batches) per fit and rank")

@@ -4,11 +4,16 @@ The task: 10 classes with 4 Gaussian modes each in 32 dimensions (not linearly s
 accuracy stays informative: a few percent of samples are ambiguous), made by the project, no downloads.
 The model: an MLP with BatchNorm, sized so one step costs a few milliseconds on one CPU core.
 
+Two regimes. *CPU-bound* (``step_ms=0``): a step is real compute only, a few milliseconds on one core, where
+two ranks on two cores contend and Lightning's per-step work weighs. *GPU-like* (``step_ms`` >= 30): every step
+also sleeps ``step_ms`` milliseconds, as a host waits for its GPU; the compute is small beside it, so even four
+ranks on two cores do not contend and what remains is the strategy's own cost.
+
 Slow ranks: at the start of training every rank times a few pure-compute steps (forward, backward, SGD) on a
-copy of the model, with no communication, giving its solo step time ``t``. A rank emulated ``k`` times
-slower then sleeps ``(k - 1) * t`` in every real training step. Unlike sleeping in proportion to the
-measured batch time, this does not also slow down ddp's in-step gradient all-reduce, so every strategy
-faces the same cluster: one GPU ``k`` times slower on the same network.
+copy of the model, with no communication; with the sleep this gives its solo device time ``t`` per step. A rank
+emulated ``k`` times slower then sleeps ``(k - 1) * t`` more in every real training step. Unlike sleeping in
+proportion to the measured batch time, this does not also slow down ddp's in-step gradient all-reduce, so every
+strategy faces the same cluster: one GPU ``k`` times slower on the same network.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class BenchModule(LightningModule):
         hidden: int = 512,
         noise: float = 1.6,
         slowdown: str = "",
+        step_ms: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -70,7 +76,8 @@ class BenchModule(LightningModule):
         self.profiles = {rank: SlowdownProfile(steps) for rank, steps in parse_profile(slowdown).items()}
         # (training seconds since the start, validation excluded; val loss; val acc)
         self.val_curve: list[tuple[float, float, float]] = []
-        self.solo_step_s = 0.0  # this rank's pure-compute step time, before any emulated slowdown
+        self.solo_step_s = 0.0  # this rank's device time per step (compute + step_ms), before any emulated slowdown
+        self.sleep_s = step_ms / 1e3
         self.real_steps = 0
         self.busy_s = 0.0  # emulated compute time: sum over real steps of factor * solo_step_s
         self.start_factor = 1.0
@@ -105,7 +112,7 @@ class BenchModule(LightningModule):
         return sorted(timings[2:])[len(timings[2:]) // 2]
 
     def on_train_start(self) -> None:
-        self.solo_step_s = self._calibrate()
+        self.solo_step_s = self._calibrate() + self.sleep_s
         self.start_factor = self._factor_at(0.0)
         self._t0 = time.perf_counter()
 
@@ -113,8 +120,9 @@ class BenchModule(LightningModule):
         x, y = batch
         factor = self._factor_at(self.train_clock())
         loss = nn.functional.cross_entropy(self(x), y)
-        if factor > 1.0:
-            time.sleep((factor - 1.0) * self.solo_step_s)
+        delay = self.sleep_s + (factor - 1.0) * self.solo_step_s
+        if delay > 0.0:
+            time.sleep(delay)
         self.real_steps += 1
         self.busy_s += factor * self.solo_step_s
         self.log("train_loss", loss, on_step=True, on_epoch=False)

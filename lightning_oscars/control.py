@@ -13,7 +13,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ControlData", "Contribution", "RankReport", "RoundRecord"]
+__all__ = ["ControlData", "Contribution", "RankReport", "RoundRecord", "fraction_of_ideal"]
+
+
+def fraction_of_ideal(busy: Sequence[float], step_times: Sequence[float], wall: float) -> float:
+    """The project's one efficiency figure: samples trained per second over what a perfectly balanced cluster of the
+    same ranks would train, ``sum_i steps_i / (wall * sum_i 1 / t_i)``.
+
+    ``busy[i]`` is rank ``i``'s seconds of real steps (``steps_i * t_i``) within ``wall`` seconds, ``step_times[i]``
+    its seconds per step when it waits for nobody. Equivalently, the speed-weighted mean of the ranks' busy shares
+    ``busy_i / wall`` (weights ``1 / t_i``): an idle second of a fast rank costs more than one of a slow rank. The
+    round records, the end-of-fit summary, the demo and the benchmarks all report this number."""
+    rates = [1.0 / t for t in step_times if t > 0.0]
+    if wall <= 0.0 or len(rates) != len(busy) or not rates:
+        return 0.0
+    return sum(b / t for b, t in zip(busy, step_times)) / (wall * sum(rates))
 
 
 @dataclass(frozen=True)
@@ -26,6 +40,8 @@ class RankReport:
         compute: seconds its local steps took (data loading included).
         allreduce: seconds its previous all-reduce took (the last rank to arrive waits least).
         global_step: Lightning's ``global_step`` (must agree: a rank that stepped differently is an error).
+        overhead: seconds of its previous round not spent in its own local steps (waits, no-op slots, Lightning's
+            work between steps, the averaging); the busiest rank reports the least: the round's fixed cost.
     """
 
     step_time: float = 0.0
@@ -33,6 +49,7 @@ class RankReport:
     compute: float = 0.0
     allreduce: float = 0.0
     global_step: int = 0
+    overhead: float = 0.0
 
 
 _ROW = len(dataclasses.fields(RankReport))
@@ -87,8 +104,8 @@ class ControlData:
             raise ValueError(f"control data of {len(summed)} entries for {world_size} ranks")
         rows = []
         for rank in range(world_size):
-            step_time, samples, compute, allreduce, global_step = summed[rank * _ROW : (rank + 1) * _ROW]
-            rows.append(RankReport(step_time, round(samples), compute, allreduce, round(global_step)))
+            step_time, samples, compute, allreduce, global_step, overhead = summed[rank * _ROW : (rank + 1) * _ROW]
+            rows.append(RankReport(step_time, round(samples), compute, allreduce, round(global_step), overhead))
         g = cls.weight_index(world_size)
         stop, sigterm, requeue = (summed[g + i] > 0.0 for i in range(1, 1 + len(_FLAGS)))
         return cls(tuple(rows), summed[g], stop, sigterm, requeue)
@@ -96,7 +113,8 @@ class ControlData:
 
 @dataclass(frozen=True)
 class RoundRecord(Mapping[str, Any]):
-    """One averaging, as every rank agreed on it. ``period``, ``idle_times`` and ``utilization`` are derived.
+    """One averaging, as every rank agreed on it. ``period``, ``idle_times``, ``utilization`` and
+    ``fraction_of_ideal`` are derived.
 
     Attributes:
         round: 1-based count of averagings in this fit.
@@ -107,6 +125,8 @@ class RoundRecord(Mapping[str, Any]):
         samples / compute_times: per rank, what the round trained and how long its local steps took.
         allreduce_time: the all-reduce cost known after the round.
         rebalanced: whether a new schedule was adopted at this averaging.
+        round_cost: the fixed cost per round the solver prices (the all-reduce plus everything outside the busiest
+            rank's local steps), a running median of the measured ones; 0 while none is measured.
     """
 
     round: int
@@ -119,6 +139,7 @@ class RoundRecord(Mapping[str, Any]):
     compute_times: tuple[float, ...]
     allreduce_time: float
     rebalanced: bool
+    round_cost: float = 0.0
 
     @property
     def period(self) -> float:
@@ -132,8 +153,8 @@ class RoundRecord(Mapping[str, Any]):
 
     @property
     def wall(self) -> float:
-        """The round's wall time: the busiest rank's compute plus the all-reduce."""
-        return self.period + self.allreduce_time
+        """The round's wall time: the busiest rank's compute plus the round's fixed cost (at least the all-reduce)."""
+        return self.period + max(self.allreduce_time, self.round_cost)
 
     @property
     def rank_utilization(self) -> tuple[float, ...]:
@@ -145,6 +166,12 @@ class RoundRecord(Mapping[str, Any]):
         """The cluster's share of the round spent computing (waits and the all-reduce count as lost)."""
         per_rank = self.rank_utilization
         return sum(per_rank) / len(per_rank) if per_rank else 0.0
+
+    @property
+    def fraction_of_ideal(self) -> float:
+        """Steps trained in the round over what the ranks would train at their measured speeds without waiting
+        or averaging (see :func:`fraction_of_ideal`)."""
+        return fraction_of_ideal(self.compute_times, self.step_times, self.wall)
 
     # Records were dicts before 0.2: ``record["local_steps"]`` (a list, as then), ``.get``, ``dict(record)`` and
     # iteration over the keys keep working.
@@ -170,4 +197,5 @@ _RECORD_KEYS = tuple(f.name for f in dataclasses.fields(RoundRecord)) + (
     "idle_times",
     "utilization",
     "rank_utilization",
+    "fraction_of_ideal",
 )

@@ -6,6 +6,7 @@ callbacks at fixed positions in ``trainer.callbacks``; their order is part of th
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -51,6 +52,7 @@ class RoundCallback(Callback):
 
     def __init__(self, strategy: OscarsStrategy) -> None:
         self.strategy = strategy
+        self._validation_started: float | None = None
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
@@ -59,6 +61,13 @@ class RoundCallback(Callback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.average_if_pending()
+        self._validation_started = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        started, self._validation_started = self._validation_started, None
+        if started is not None and self.strategy.is_active:  # records count training time only
+            self.strategy.rounds.exclude_time(time.perf_counter() - started)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

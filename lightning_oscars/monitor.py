@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_oscars.control import RoundRecord
 
-__all__ = ["ScheduleMonitor", "round_metrics", "summarize_history"]
+__all__ = ["ScheduleMonitor", "round_metrics", "run_fraction_of_ideal", "summarize_history"]
 
 # Beyond this many ranks, per-rank series are summarised as min / median / max to keep loggers usable.
 _PER_RANK_LIMIT = 32
@@ -30,6 +30,7 @@ def round_metrics(record: RoundRecord, per_rank: bool, prefix: str = "oscars/") 
         f"{prefix}period_s": float(record.period),
         f"{prefix}allreduce_s": float(record.allreduce_time),
         f"{prefix}utilization": float(record.utilization),
+        f"{prefix}fraction_of_ideal": float(record.fraction_of_ideal),
         f"{prefix}rebalanced": float(bool(record.rebalanced)),
     }
     series = {
@@ -49,21 +50,36 @@ def round_metrics(record: RoundRecord, per_rank: bool, prefix: str = "oscars/") 
     return metrics
 
 
+def run_fraction_of_ideal(history: Sequence[RoundRecord]) -> float:
+    """:func:`~lightning_oscars.control.fraction_of_ideal` over a whole run: the steps trained over the steps the
+    ranks would have trained, at each round's measured speeds, in the training time the records span (from the
+    start of training to the last averaging, validation excluded). Lightning's work between steps, no-op slots and
+    extra averagings count as lost, as in the benchmarks."""
+    steps = ideal = 0.0
+    previous = 0.0
+    for record in history:
+        times = record.step_times
+        if all(t > 0.0 for t in times):
+            steps += sum(c / t for c, t in zip(record.compute_times, times))
+            ideal += (record.time - previous) * sum(1.0 / t for t in times)
+        previous = record.time
+    return steps / ideal if ideal > 0.0 else 0.0
+
+
 def summarize_history(history: Sequence[RoundRecord]) -> str:
-    """A few lines describing what the scheduler did over a run (pure; unit-tested). The run's utilisation is
-    the compute share of the summed round walls, as in every round's record."""
+    """A few lines describing what the scheduler did over a run (pure; unit-tested). Its efficiency figure is
+    :func:`run_fraction_of_ideal`, the figure the demo and the benchmarks report."""
     if not history:
         return "oscars: no averaging round ran"
     n = len(history[0].local_steps)
-    compute = [sum(r.compute_times[i] for r in history) for i in range(n)]
     idle = [sum(r.idle_times[i] for r in history) for i in range(n)]
     allreduce = sum(r.allreduce_time for r in history)
-    wall = sum(r.wall for r in history)
-    utilization = sum(compute) / (n * wall) if wall > 0 else 0.0
     rebalances = sum(1 for r in history if r.rebalanced)
     last = history[-1]
+    per_100 = 100.0 * rebalances / len(history)
     lines = [
-        f"oscars: {len(history)} rounds, {rebalances} schedule changes, cluster utilisation {utilization:.1%}",
+        f"oscars: {len(history)} rounds, {rebalances} schedule changes ({per_100:.1f} per 100 rounds),"
+        f" {run_fraction_of_ideal(history):.1%} of ideal throughput",
         f"  final tau per rank: {_short(list(last.local_steps))}",
         f"  final step time per rank (ms): {_short([round(1e3 * t, 2) for t in last.step_times])}",
         f"  idle per rank (s, total): {_short([round(t, 2) for t in idle])}",

@@ -14,7 +14,9 @@ requeue) and the history. The strategy drives it:
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,10 @@ from lightning_oscars.loader import SlotInfo
 from lightning_oscars.partition import EpochPlan
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.timing import LapClock, StepTimeEstimator, WallClock
+
+# Rounds whose measured fixed cost the solver's price is the median of: epoch ends, checkpoint writes and the
+# first round after validation cost more than a plain round, and must not re-solve the schedule each time.
+COST_WINDOW = 9
 
 __all__ = ["RoundController", "RoundOutcome"]
 
@@ -80,12 +86,17 @@ class RoundController:
         self._now = now
         self.history: list[RoundRecord] = []
         self.num_averagings = 0
-        self.allreduce_cost = 0.0  # the agreed cost of one averaging, as the solver sees it
+        self.allreduce_cost = 0.0  # the agreed fixed cost of one round, as the solver prices it
+        self.allreduce_time = 0.0  # the agreed duration of the last all-reduce alone
+        self._costs: deque[float] = deque(maxlen=COST_WINDOW)  # the last rounds' agreed fixed costs
         self.plan: EpochPlan | None = None
         self.planned_epoch = -1
         self.slot = SlotInfo(True, 0)
         self.failed = False  # this rank raised or its all-reduce broke: skip every further collective
         self._started = now()
+        self._excluded = 0.0  # seconds of validation since the start: not training time
+        self._round_started: float | None = None  # when this rank's current round began (last averaging's end)
+        self._last_overhead = 0.0
         self._medians = StepTimeEstimator(smoothing=1.0)  # the round's median; the policy smooths across rounds
         self._last_allreduce = 0.0
         self._upper_bound = False
@@ -103,6 +114,15 @@ class RoundController:
     def begin_fit(self, max_steps: int | None = None) -> None:
         self.policy.begin(self.world_size, max_steps)
         self._started = self._now()
+        self._excluded = 0.0
+        self._round_started = None
+        self._costs.clear()
+
+    def exclude_time(self, seconds: float) -> None:
+        """``seconds`` just spent outside training (validation): the records' ``time`` leaves them out."""
+        self._excluded += max(0.0, seconds)
+        if self._round_started is not None:  # validation is not part of the round's cost either
+            self._round_started += max(0.0, seconds)
 
     @property
     def local_steps(self) -> tuple[int, ...]:
@@ -182,7 +202,10 @@ class RoundController:
         for seconds in per_slot.values():
             self._medians.add(seconds)
         median = (self._medians.end_round() or 0.0) if self._medians.pending else 0.0
-        report = RankReport(median, self._round_samples, sum(per_slot.values()), self._last_allreduce, global_step)
+        compute = sum(per_slot.values())
+        report = RankReport(
+            median, self._round_samples, compute, self._last_allreduce, global_step, self._last_overhead
+        )
         weight = float(self._round_samples) if self.weighted else 1.0
         return Contribution(self.rank, report, weight, self._stop or stop, self._sigterm, self._requeue)
 
@@ -201,20 +224,31 @@ class RoundController:
             )
         costs = [r.allreduce for r in summed.ranks if r.allreduce > 0.0]
         if costs:  # the last rank to arrive waits least: its duration is the closest to the transfer cost
-            self.allreduce_cost = min(costs)
+            self.allreduce_time = min(costs)
+        overheads = [r.overhead for r in summed.ranks if r.overhead > 0.0]
+        if overheads:  # likewise the busiest rank spends least of its round outside its own steps
+            self._costs.append(max(min(overheads), self.allreduce_time))
+        # The solver prices the median recent fixed cost per round (one slow round does not re-solve the schedule),
+        # the all-reduce alone until a whole round has been measured.
+        self.allreduce_cost = statistics.median(self._costs) if self._costs else self.allreduce_time
+        now = self._now()
+        if self._round_started is not None:
+            self._last_overhead = max(0.0, now - self._round_started - summed.ranks[self.rank].compute)
+        self._round_started = now
         in_force = self.local_steps
         rebalanced = self.policy.observe([r.step_time for r in summed.ranks], self.allreduce_cost)
         record = RoundRecord(
             round=self.num_averagings,
-            time=self._now() - self._started,
+            time=now - self._started - self._excluded,
             epoch=epoch,
             global_step=global_step,
             local_steps=in_force,
             step_times=tuple(self.policy.estimate),
             samples=tuple(r.samples for r in summed.ranks),
             compute_times=tuple(r.compute for r in summed.ranks),
-            allreduce_time=self.allreduce_cost,
+            allreduce_time=self.allreduce_time,
             rebalanced=rebalanced,
+            round_cost=self.allreduce_cost,
         )
         self.history.append(record)
         resized = self._replan(rebalanced, next_round)
@@ -246,6 +280,7 @@ class RoundController:
             "world_size": self.world_size,
             **self.policy.state_dict(),
             "allreduce_time": self.allreduce_cost,
+            "round_costs": list(self._costs),
             "estimate": estimate[self.rank] if len(estimate) > self.rank and estimate[self.rank] > 0 else None,
             "num_averagings": self.num_averagings,
             "plan_epoch": self.planned_epoch,
@@ -260,6 +295,7 @@ class RoundController:
             return None
         self.num_averagings = int(state.get("num_averagings", 0))
         self.allreduce_cost = float(state.get("allreduce_time") or 0.0)
+        self._costs.extend(float(c) for c in state.get("round_costs") or [])
         self.policy.load_state_dict(state, self.allreduce_cost)
         plan = state.get("plan")
         if plan is None or plan["total_units"] != total_units:

@@ -1,8 +1,11 @@
 """The schedule monitor's pure parts: metric flattening and the end-of-fit summary."""
 
+import dataclasses
+
 import pytest
 
 from lightning_oscars import RoundRecord, ScheduleMonitor, round_metrics, summarize_history
+from lightning_oscars.monitor import run_fraction_of_ideal
 
 
 def record(round_: int, local_steps, step_times, compute, allreduce=0.01, rebalanced=False):
@@ -45,6 +48,18 @@ def test_summary_totals_idle_and_counts_changes():
     assert summarize_history([]) == "oscars: no averaging round ran"
     many = [record(1, list(range(1, 41)), [0.1] * 40, [0.1] * 40)]
     assert "(40 ranks)" in summarize_history(many)
+
+
+def test_run_fraction_of_ideal_spans_the_records_training_time():
+    # Two rounds at 0.1 / 0.3 s per step. The second record comes 1.0 s after the first although its round's
+    # compute took 0.6 s: the 0.4 s between rounds (Lightning's work, no-op slots) count as lost.
+    first = dataclasses.replace(record(1, [6, 2], [0.1, 0.3], [0.6, 0.6]), time=0.6)
+    second = dataclasses.replace(record(2, [6, 2], [0.1, 0.3], [0.6, 0.6]), time=1.6)
+    assert run_fraction_of_ideal([first]) == pytest.approx(1.0)
+    assert run_fraction_of_ideal([first, second]) == pytest.approx((8 + 8) / (1.6 * (10 + 10 / 3)))
+    assert "of ideal throughput" in summarize_history([first, second])
+    assert "(50.0 per 100 rounds)" in summarize_history([dataclasses.replace(first, rebalanced=True), second])
+    assert run_fraction_of_ideal([]) == 0.0
 
 
 def test_monitor_rejects_bad_interval():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_oscars import RoundController, RoundRecord, SchedulePolicy
-from lightning_oscars.control import Contribution, ControlData, RankReport
+from lightning_oscars.control import Contribution, ControlData, RankReport, fraction_of_ideal
 from lightning_oscars.loader import SlotInfo
 
 
@@ -76,6 +76,33 @@ def test_warmup_then_a_solved_schedule_that_favours_the_fast_rank():
     assert second[0].record.local_steps == tau and not second[0].rebalanced and not second[0].resized
 
 
+def test_round_cost_is_the_busiest_ranks_time_outside_its_steps():
+    # Pinned (2, 2) local steps at 0.01 / 0.03 s. Each round's averaging ends 0.08 s after the previous one (wall
+    # clock scripted): rank 1's round is 0.06 s of compute and 0.02 s of everything else, the round's fixed cost;
+    # rank 0 reports 0.06 s outside its steps (its wait included). Validation time does not count.
+    clock = {"now": 0.0}
+    ranks = cluster((0.01, 0.03), local_steps=(2, 2))
+    for c, _ in ranks:
+        c._now = lambda: clock["now"]
+        c.plan_epoch(0, 16, c.policy.epoch_slot_bound(16))
+    slot, costs = 0, []
+    for i in range(4):
+        clock["now"] += 0.08
+        if i == 2:
+            clock["now"] += 1.0  # a validation run between rounds 2 and 3
+            for c, _ in ranks:
+                c.exclude_time(1.0)
+        outcomes, slot = run_round(ranks, slot)
+        assert outcomes[0].record == outcomes[1].record
+        costs.append(outcomes[0].record.round_cost)
+    # Reports lag one round: round 1 knows nothing, round 2 the all-reduce alone (round 1 began at an unknown
+    # time), then round 2's fixed cost of 0.02 s.
+    assert costs[0] == 0.0 and costs[1] == pytest.approx(0.001)
+    assert costs[2] == pytest.approx(0.02) and costs[3] == pytest.approx(0.02)
+    assert outcomes[0].record.time == pytest.approx(0.32)  # training time: the validation second is left out
+    assert outcomes[0].record.wall == pytest.approx(0.06 + 0.02)
+
+
 def test_requests_travel_to_every_rank_and_are_cleared():
     ranks = cluster((0.01, 0.01), local_steps=(2, 2))
     for c, _ in ranks:
@@ -121,6 +148,19 @@ def test_record_derives_period_idle_and_utilization():
     assert r.as_dict()["idle_times"] == pytest.approx([0.0, 0.1]) and dict(r)["period"] == r.get("period")
     with pytest.raises(KeyError):
         r["nope"]
+
+
+def test_fraction_of_ideal_weights_idle_time_by_speed():
+    # Rank 0 (0.1 s/step) computes 0.3 of a 0.4 s round, rank 1 (0.3 s/step) 0.2: 3 + 2/3 steps trained where
+    # 4 + 4/3 could have been. A fast rank's idle second costs three times a slow rank's.
+    r = RoundRecord(1, 0.0, 0, 4, (3, 1), (0.1, 0.3), (48, 16), (0.3, 0.2), 0.1, False)
+    assert r.fraction_of_ideal == pytest.approx((3 + 2 / 3) / (4 + 4 / 3))
+    assert fraction_of_ideal([0.3, 0.2], [0.1, 0.3], 0.4) == r.fraction_of_ideal
+    assert fraction_of_ideal([1.0, 1.0], [0.1, 0.3], 1.0) == pytest.approx(1.0)  # nobody waits: ideal
+    assert fraction_of_ideal([1.0, 0.0], [0.1, 0.3], 1.0) == pytest.approx(0.75)  # the slow rank is the idle one
+    assert fraction_of_ideal([0.0, 1.0], [0.1, 0.3], 1.0) == pytest.approx(0.25)
+    assert fraction_of_ideal([1.0], [0.1], 0.0) == 0.0 and fraction_of_ideal([1.0, 1.0], [0.1, 0.0], 1.0) == 0.0
+    assert "fraction_of_ideal" in r.as_dict()
 
 
 def test_checkpoint_state_restores_schedule_estimates_and_plan():
