@@ -80,7 +80,7 @@ class SchedulePolicy:
         *,
         max_spread: int = 8,
         max_local_steps: int = 16,
-        tolerance: float = 0.05,
+        tolerance: float = 0.02,
         warmup_steps: int = 4,
         rebalance_threshold: float = 0.2,
         min_gain: float = 0.03,

@@ -105,6 +105,7 @@ class RoundController:
         self._reset_round()
 
     def _reset_round(self) -> None:
+        self._chained = False  # the next real step's interval starts at its own start (see begin_slot)
         self._slots_since_average = 0
         self._round_samples = 0
         self._slot_laps: list[tuple[int, float]] = []
@@ -121,6 +122,7 @@ class RoundController:
     def exclude_time(self, seconds: float) -> None:
         """``seconds`` just spent outside training (validation): the records' ``time`` leaves them out."""
         self._excluded += max(0.0, seconds)
+        self._chained = False
         if self._round_started is not None:  # validation is not part of the round's cost either
             self._round_started += max(0.0, seconds)
 
@@ -148,10 +150,15 @@ class RoundController:
     # ------------------------------------------------------------------ slots
 
     def begin_slot(self, slot: SlotInfo) -> None:
-        """The next slot's data is here. A real step's clock starts now and stops in :meth:`end_slot`; its data
-        loading, measured by the loader, is added."""
+        """The next slot's data is here. A real step's interval ends in :meth:`end_slot`. It began at the end of
+        the previous real step when that one came right before (so Lightning's work between steps and the data
+        loading, which a rank pays for every step, are in it); else it begins now and the loader's measured data
+        loading is added (the first step of a round, after a no-op slot or after worker start-up)."""
         self.slot = slot
-        if slot.real:
+        if not slot.real:
+            self._chained = False
+        elif not self._chained or slot.fetch_seconds is None:
+            self._chained = False
             self.clock.mark()
 
     def end_slot(self, batch_idx: int, batches_per_slot: int, epoch_batches: float) -> int | None:
@@ -163,8 +170,9 @@ class RoundController:
         slot = batch_idx // batches_per_slot
         if self.slot.real:
             self.clock.lap()
-            self._slot_laps.append((slot, self.slot.fetch_seconds or 0.0))
+            self._slot_laps.append((slot, 0.0 if self._chained else self.slot.fetch_seconds or 0.0))
             self._round_samples += self.slot.samples
+            self._chained = True  # the lap started the next interval
         slot_done = (batch_idx + 1) % batches_per_slot == 0 or batch_idx + 1 >= epoch_batches
         if not slot_done or slot >= plan.total_slots:
             return None
@@ -228,9 +236,10 @@ class RoundController:
         overheads = [r.overhead for r in summed.ranks if r.overhead > 0.0]
         if overheads:  # likewise the busiest rank spends least of its round outside its own steps
             self._costs.append(max(min(overheads), self.allreduce_time))
-        # The solver prices the median recent fixed cost per round (one slow round does not re-solve the schedule),
-        # the all-reduce alone until a whole round has been measured.
-        self.allreduce_cost = statistics.median(self._costs) if self._costs else self.allreduce_time
+        # The solver prices the median recent fixed cost per round (one slow round does not re-solve the schedule).
+        # Until a whole round has been measured it is unknown (0): the first schedule is solved as if averaging were
+        # free and re-solved once, when the cost becomes known.
+        self.allreduce_cost = statistics.median(self._costs) if self._costs else 0.0
         now = self._now()
         if self._round_started is not None:
             self._last_overhead = max(0.0, now - self._round_started - summed.ranks[self.rank].compute)

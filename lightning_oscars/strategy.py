@@ -95,7 +95,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         average_optimizer_state: bool = False,
         max_spread: int = 8,
         max_local_steps: int = 16,
-        efficiency_tolerance: float = 0.05,
+        efficiency_tolerance: float = 0.02,
         warmup_steps: int = 4,
         rebalance_threshold: float = 0.2,
         min_gain: float = 0.03,
