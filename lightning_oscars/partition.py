@@ -123,8 +123,16 @@ class Round:
     def is_empty(self) -> bool:
         return not any(self.quotas)
 
+    def real_offsets(self, rank: int) -> list[int]:
+        """The slots (offsets from ``start_slot``) in which ``rank`` trains: its quota spread evenly over the round,
+        the first at offset 0. Spread, not packed at the start, so that wherever the round is cut (validation or a
+        checkpoint averages mid-round) every rank has done about the same share of its round's work, and nobody
+        waits long at that extra averaging."""
+        quota = self.quotas[rank]
+        return [k * self.length // quota for k in range(quota)]
+
     def units_of(self, rank: int) -> list[int]:
-        """The units rank ``rank`` trains on, in order, one per slot from ``start_slot``."""
+        """The units rank ``rank`` trains on, in order, one per slot of :meth:`real_offsets`."""
         if self.quotas[rank] == 0:
             return []
         starters = sum(1 for q in self.quotas if q > 0)
@@ -202,9 +210,11 @@ class EpochPlan:
     def unit_at(self, rank: int, slot: int) -> int | None:
         """The unit ``rank`` trains on at ``slot``, or ``None`` if that slot is a no-op for it."""
         rnd = self.round_at(slot)
-        units = rnd.units_of(rank)
-        offset = slot - rnd.start_slot
-        return units[offset] if offset < len(units) else None
+        offsets = rnd.real_offsets(rank)
+        index = bisect.bisect_left(offsets, slot - rnd.start_slot)
+        if index == len(offsets) or offsets[index] != slot - rnd.start_slot:
+            return None
+        return rnd.units_of(rank)[index]
 
     def replan(self, start_slot: int, local_steps: Sequence[int], shrink: bool = False) -> None:
         """Re-plan every round from ``start_slot`` (which must start a round) with new local steps.

@@ -83,7 +83,7 @@ class SchedulePolicy:
         tolerance: float = 0.02,
         warmup_steps: int = 4,
         rebalance_threshold: float = 0.2,
-        min_gain: float = 0.03,
+        min_gain: float = 0.02,
         smoothing: float = 0.5,
         step_times: Sequence[float] | None = None,
         local_steps: Sequence[int] | None = None,

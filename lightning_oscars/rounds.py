@@ -151,13 +151,11 @@ class RoundController:
 
     def begin_slot(self, slot: SlotInfo) -> None:
         """The next slot's data is here. A real step's interval ends in :meth:`end_slot`. It began at the end of
-        the previous real step when that one came right before (so Lightning's work between steps and the data
-        loading, which a rank pays for every step, are in it); else it begins now and the loader's measured data
-        loading is added (the first step of a round, after a no-op slot or after worker start-up)."""
+        this round's previous real step, if any: Lightning's work between steps, the data loading and the no-op
+        slots in between are what the rank pays per step. The round's first step (and one after worker start-up)
+        begins now instead, and the loader's measured data loading is added."""
         self.slot = slot
-        if not slot.real:
-            self._chained = False
-        elif not self._chained or slot.fetch_seconds is None:
+        if slot.real and (not self._chained or slot.fetch_seconds is None):
             self._chained = False
             self.clock.mark()
 

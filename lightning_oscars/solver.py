@@ -223,7 +223,7 @@ def solve_schedule(
     *,
     max_spread: int = 8,
     max_local_steps: int = 16,
-    tolerance: float = 0.05,
+    tolerance: float = 0.02,
 ) -> Schedule:
     """Exact, communication-aware solver (see the module docstring).
 

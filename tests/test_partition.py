@@ -70,6 +70,14 @@ def test_unit_at_and_noops():
     plan = EpochPlan(2, 8, planned_slots([3, 1], 8), [3, 1])
     assert [plan.unit_at(1, s) for s in range(3)] == [1, None, None]
     assert plan.unit_at(0, 0) == 0
+    # A rank's real slots are spread over the round: cut anywhere, each rank has done its share.
+    spread = EpochPlan(2, 11, 8, [8, 3])
+    assert spread.rounds[0].real_offsets(1) == [0, 2, 5]
+    assert [spread.unit_at(1, s) for s in range(8)] == [1, None, 9, None, None, 10, None, None]
+    assert [spread.unit_at(0, s) for s in range(8)] == [0, *range(2, 9)]
+    for cut in range(1, 8):
+        done = [sum(1 for o in spread.rounds[0].real_offsets(r) if o < cut) for r in range(2)]
+        assert abs(done[0] / 8 - done[1] / 3) <= 1 / 3
     with pytest.raises(IndexError):
         plan.round_at(plan.total_slots)
 

@@ -45,9 +45,9 @@ def run_round(ranks, slot0: int, batch_size: int = 8) -> tuple[list, int]:
     rnd = plan.round_at(slot0)
     ends = set()
     for controller, _ in ranks:
-        real = len(rnd.units_of(controller.rank))
+        real = rnd.real_offsets(controller.rank)
         for offset in range(rnd.length):
-            controller.begin_slot(SlotInfo(offset < real, batch_size if offset < real else 0, 0.0))
+            controller.begin_slot(SlotInfo(offset in real, batch_size if offset in real else 0, 0.0))
             ends.add(controller.end_slot(slot0 + offset, 1, plan.total_slots))
     assert ends == {None, rnd.end_slot}, "every rank ends the round at the same slot"
     vectors = [c.contribution(global_step=rnd.end_slot).encode(2) for c, _ in ranks]

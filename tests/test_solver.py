@@ -175,8 +175,8 @@ def test_snapping_stops_noise_from_splitting_identical_ranks():
     from lightning_oscars.solver import snap_step_times
 
     noisy = [0.0982, 0.1008, 0.1019, 0.1004, 0.2489, 0.2467]  # two speed classes measured with noise
-    raw = solve_schedule(noisy, 0.02).local_steps
-    snapped = solve_schedule(snap_step_times(noisy), 0.02).local_steps
+    raw = solve_schedule(noisy, 0.02, tolerance=0.05).local_steps
+    snapped = solve_schedule(snap_step_times(noisy), 0.02, tolerance=0.05).local_steps
     assert len(set(snapped[:4])) == 1 and len(set(snapped[4:])) == 1
     assert snapped[0] > snapped[4]
     assert raw != snapped  # the raw times would have split a class

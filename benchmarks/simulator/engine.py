@@ -108,9 +108,10 @@ def _val_check_batch(total_slots: int, interval: float | None) -> int | None:
 class _Engine:
     """Clock and accumulators of one simulated run; :meth:`round` runs a round and its averaging(s).
 
-    The engine models the wire format's lag: the control data of averaging ``k`` carries the all-reduce time of
-    averaging ``k-1``, so the policy sees the policy's ``initial_allreduce_s`` (0 unless an oracle) at the
-    first averaging and the previous averaging's cost after that.
+    The engine models the wire format's lag: the control data of averaging ``k`` carries the fixed cost of round
+    ``k-1`` (its all-reduce plus the per-round overhead), measured from averaging to averaging, so it is known
+    from round 2 on: the policy sees the policy's ``initial_allreduce_s`` (0 unless an oracle) at the first two
+    averagings and the previous round's cost after that.
     """
 
     def __init__(
@@ -132,7 +133,7 @@ class _Engine:
         self.timeline = Timeline(n, cluster.slowdowns)
         self.load = Load(cluster.load_array(), cluster.load_time_s, self.rng)
         self.allreduce_s, self.round_overhead_s, self.first_step_s = allreduce_s, round_overhead_s, first_step_s
-        self.wire_cost = policy.initial_allreduce_s  # the all-reduce time the next averaging reports
+        self.wire_cost = policy.initial_allreduce_s  # the cost the first two averagings report
         self.now = self.comm = self.other = self.util_sum = 0.0
         self.compute, self.idle = np.zeros(n), np.zeros(n)
         self.averagings = self.slots = self.epoch = 0
@@ -199,7 +200,7 @@ class _Engine:
 
     def _average(self, draws: np.ndarray, real: np.ndarray) -> bool:
         """Hand the policy this averaging's per-rank medians (NaN: no step) and the cost the wire carries."""
-        seen, self.wire_cost = self.wire_cost, self.allreduce_s
+        seen = self.wire_cost if self.averagings <= 2 else self.allreduce_s + self.round_overhead_s
         if self.policy.solved and not self.policy.resolve:
             return False  # a fixed schedule (BSP, local SGD, pinned): nothing this averaging could change
         return self.policy.observe(row_medians(draws, real).tolist(), seen)
