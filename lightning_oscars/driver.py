@@ -78,6 +78,10 @@ class RoundDriver:
         """Training starts: install the adapter, restore a checkpoint's rounds, continue a resumed epoch."""
         self.adapter.install(trainer, self._on_sigterm, self.rounds.request_requeue)
         restored, self.restored = self.restored, None
+        module = self.strategy.lightning_module
+        assert module is not None
+        self.scheme.bind(p for p in module.parameters() if p.requires_grad)
+        self.scheme.load_state_dict((restored or {}).get("scheme"))
         loader = self.loader
         plan = self.rounds.load_state_dict(restored, loader.total_units if loader else None)
         if plan is not None and loader is not None:

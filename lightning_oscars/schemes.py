@@ -10,13 +10,15 @@ Shipped, all averaging the models with one all-reduce:
 
 * :func:`adaptive_rounds`: oscars: per-rank local steps solved from measured speeds, re-solved on drift;
 * :func:`fixed_period`: local SGD: ``period`` local steps on every rank;
-* :func:`every_step`: averaging after every step (``fixed_period(1)``): ddp's trajectory for plain SGD.
+* :func:`every_step`: averaging after every step (``fixed_period(1)``): ddp's trajectory for plain SGD;
+* :class:`~lightning_oscars.outer.OuterNesterovAveraging`: averaging, then DiLoCo's outer Nesterov step on the
+  averaged pseudo-gradient (``OscarsStrategy(outer_lr=...)``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +47,17 @@ class SyncScheme(ABC):
 
     def release(self) -> None:  # noqa: B027 - optional: most schemes hold nothing between fits
         """Drop buffers held between rounds (the end of a fit)."""
+
+    def bind(self, parameters: Iterable[Tensor]) -> None:  # noqa: B027 - optional
+        """The module's trainable parameters, told once per fit before the first round (a scheme that treats
+        them apart from buffers and optimizer state keeps them)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State the scheme carries across rounds, saved in checkpoints (none by default)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:  # noqa: B027 - optional
+        """Resume :meth:`state_dict` (called when a checkpoint is restored, before the first round)."""
 
 
 class ModelAveraging(SyncScheme):

@@ -71,6 +71,9 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             injects, which follows ``seed_everything`` (``PL_GLOBAL_SEED``), else 0.
         monitor: add a :class:`~lightning_oscars.ScheduleMonitor` (per-round metrics to the loggers, ``tau`` in
             the progress bar, a summary at the end of fit) unless the trainer already has one.
+        outer_lr: ``None`` (default): plain averaging. A number: after averaging, an outer Nesterov-SGD step of
+            this learning rate on the averaged pseudo-gradient (DiLoCo: 0.7; see ``lightning_oscars.outer``).
+        outer_momentum: the outer step's momentum (DiLoCo: 0.9).
         timeout: collective timeout (default 10 minutes): a hung rank is reported after at most this long; a
             rank that dies or raises is reported at once. Raise it if saving a checkpoint can take longer.
         start_method: how Lightning starts the ranks (as for ``ddp``): ``"popen"`` re-runs the script.
@@ -104,6 +107,8 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         local_steps: Sequence[int] | None = None,
         seed: int | None = None,
         monitor: bool = True,
+        outer_lr: float | None = None,
+        outer_momentum: float = 0.9,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
@@ -143,16 +148,14 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             local_steps=local_steps,
             seed=seed,
             monitor=monitor,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
         )
         scheme = self.make_scheme()
         self.driver = RoundDriver(self, scheme, RoundController(scheme.policy, 1, 0), torch.device("cpu"))
         self._noop_batch: Any = None
         self._in_local_step = False
         self._restored: dict[str, Any] | None = None
-
-    def make_scheme(self) -> SyncScheme:
-        """The synchronisation scheme of a fit (override to plug in another; see ``schemes.py``)."""
-        return ModelAveraging(self.make_policy())
 
     # ------------------------------------------------------------------ public state
 
@@ -195,8 +198,9 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         return self.rounds.num_averagings
 
     def state_dict(self) -> dict[str, Any]:
-        """Schedule, timing estimates and the epoch's plan, as stored in checkpoints under ``"oscars"``."""
-        return self.rounds.state_dict()
+        """Schedule, timing estimates, the epoch's plan and the scheme's state, as stored in checkpoints under
+        ``"oscars"``."""
+        return {**self.rounds.state_dict(), "scheme": self.scheme.state_dict()}
 
     def average_if_pending(self) -> None:
         """Average now if any rank trained since the last averaging (the same answer on every rank)."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning_oscars.outer import OuterNesterovAveraging
 from lightning_oscars.policy import SchedulePolicy, Solver
+from lightning_oscars.schemes import ModelAveraging, SyncScheme
 
 __all__ = ["OscarsOptions", "check_ddp_wrapper_options"]
 
@@ -27,6 +29,8 @@ class OscarsOptions:
     pinned_local_steps: tuple[int, ...] | None
     seed: int | None
     monitor: bool
+    outer_lr: float | None
+    outer_momentum: float
 
     def _set_options(
         self,
@@ -45,6 +49,8 @@ class OscarsOptions:
         local_steps: Sequence[int] | None,
         seed: int | None,
         monitor: bool,
+        outer_lr: float | None = None,
+        outer_momentum: float = 0.9,
     ) -> None:
         if averaging not in ("uniform", "samples"):
             raise ValueError(f"averaging must be 'uniform' or 'samples', got {averaging!r}")
@@ -77,6 +83,16 @@ class OscarsOptions:
         self.pinned_local_steps = policy.pinned_local_steps
         self.seed = seed
         self.monitor = bool(monitor)
+        self.outer_lr = None if outer_lr is None else float(outer_lr)
+        self.outer_momentum = float(outer_momentum)
+        OuterNesterovAveraging(policy, 1.0 if outer_lr is None else outer_lr, outer_momentum)  # raises: bad values
+
+    def make_scheme(self) -> SyncScheme:
+        """The synchronisation scheme of a fit (override to plug in another; see ``schemes.py``): model averaging,
+        followed by an outer Nesterov step when ``outer_lr`` is set."""
+        if self.outer_lr is None:
+            return ModelAveraging(self.make_policy())
+        return OuterNesterovAveraging(self.make_policy(), self.outer_lr, self.outer_momentum)
 
     def make_policy(self) -> SchedulePolicy:
         """A fresh schedule policy for one fit."""

@@ -449,3 +449,26 @@ def test_cli_writes_json_markdown_and_plot(fake_results, tmp_path):
     first = report["scaling"]["rows"][0]
     assert first["oscars"]["fraction_of_ideal"] > first["bsp"]["fraction_of_ideal"]
     assert math.isfinite(first["oscars_oracle"]["throughput"])
+
+
+def test_deadline_round_steps_while_the_quantile_fits():
+    from benchmarks.simulator.jitter import deadline_steps
+
+    times = np.array([1.0, 3.0])
+    draws = np.array([[1.0, 1.2, 0.9, 1.0, 1.0], [3.0, 3.5, 3.0, 3.0, 3.0]])
+    # sigma 0: the quantile is the mean. Rank 0 starts steps at 0, 1, 2.2, 3.1 (3.1 + 1 > 4: stops after 3 steps,
+    # ending at 3.1); rank 1 always takes its first step, and its second (start 3 + 3 > 4) not.
+    steps, finish = deadline_steps(draws, times, deadline=4.0, sigma=0.0, quantile=0.9, cap=5)
+    assert steps.tolist() == [3, 1] and finish.tolist() == pytest.approx([3.1, 3.0])
+    steps, _ = deadline_steps(draws, times, deadline=100.0, sigma=0.0, quantile=0.9, cap=5)
+    assert steps.tolist() == [5, 5]  # never beyond the round's slots
+
+
+def test_deadline_rounds_beat_a_fixed_tau_under_jitter_at_scale():
+    from benchmarks.simulator.jitter import jitter_study
+
+    rows = jitter_study(n=256, sigmas=(0.0, 0.15), caps=(32,), rounds=12)
+    calm, noisy = rows
+    assert calm["fixed_fraction"] > 0.95 and calm["deadline_fraction"] > 0.95  # no jitter: both near ideal
+    # a fixed tau waits for the slowest of 256 jittered sums; deadline rounds lose a fraction of a step per rank
+    assert noisy["fixed_fraction"] < 0.87 and noisy["deadline_fraction"] > noisy["fixed_fraction"] + 0.07
