@@ -170,7 +170,8 @@ def main() -> None:
         ]
         for r in rows
     ]
-    headers = ["ranks", "max local steps", "sigma", "fixed tau (1x/0.4x/0.2x)", "fixed: of ideal", "deadline s", "deadline: of ideal"]
+    headers = ["ranks", "max local steps", "sigma", "fixed tau (1x/0.4x/0.2x)", "fixed: of ideal", "deadline s"]
+    headers.append("deadline: of ideal")
     lines = [
         f"Steady-state rounds, {a.ranks} ranks (47.5% 1x, 47.5% 0.4x, 5% 0.2x; 1x step 0.1 s), all-reduce 0.2 fast"
         f" steps, lognormal per-step jitter sigma, {a.rounds} rounds, quantile 0.9.",
