@@ -288,9 +288,15 @@ class LightningAdapter:
         return None
 
     @staticmethod
-    def uses_sync_batchnorm(strategy: Any) -> bool:
-        """Whether the Trainer asked for ``sync_batchnorm`` (its connector hands the strategy a layer sync)."""
-        return getattr(strategy, "_layer_sync", None) is not None
+    def sync_batchnorm_problem(strategy: Any) -> str | None:
+        """Why the fit cannot run if the Trainer asked for ``sync_batchnorm`` (its connector hands the strategy a
+        layer sync), else ``None``."""
+        if getattr(strategy, "_layer_sync", None) is None:
+            return None
+        return (
+            "sync_batchnorm=True all-reduces inside every forward pass, which oscars' local steps cannot allow;"
+            " BatchNorm statistics are averaged at every round instead. Remove sync_batchnorm, or use strategy='ddp'."
+        )
 
     @staticmethod
     def sync_module_states(module: torch.nn.Module) -> None:

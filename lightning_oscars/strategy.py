@@ -237,14 +237,10 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         super().setup(trainer)
 
     def _begin_fit(self, trainer: Trainer) -> None:
-        if LightningAdapter.uses_sync_batchnorm(self):
-            raise ValueError(
-                "sync_batchnorm=True all-reduces inside every forward pass, which oscars' local steps cannot"
-                " allow; BatchNorm statistics are averaged at every round instead. Remove sync_batchnorm, or"
-                " use strategy='ddp'."
-            )
         assert self.lightning_module is not None
-        problem = LightningAdapter.unsupported(trainer, self.lightning_module)
+        problem = LightningAdapter.sync_batchnorm_problem(self) or LightningAdapter.unsupported(
+            trainer, self.lightning_module
+        )
         if problem is not None:
             raise ValueError(problem)
         scheme = self.make_scheme()
