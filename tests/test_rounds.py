@@ -74,6 +74,11 @@ def test_warmup_then_a_solved_schedule_that_favours_the_fast_rank():
     assert ranks[0][0].plan.total_slots == ranks[1][0].plan.total_slots < bound
     second, _ = run_round(ranks, slot)
     assert second[0].record.local_steps == tau and not second[0].rebalanced and not second[0].resized
+    # Nothing trained since that averaging: a validation, checkpoint or epoch end right now averages nothing.
+    assert not any(c.needs_average for c, _ in ranks)
+    ranks[0][0].begin_slot(SlotInfo(False, 0, 0.0))  # a no-op slot is not training either...
+    ranks[0][0].end_slot(slot, 1, ranks[0][0].plan.total_slots)
+    assert ranks[0][0].needs_average  # ...but it is a slot of the round: every rank agrees on the answer
 
 
 def test_round_cost_is_the_busiest_ranks_time_outside_its_steps():
