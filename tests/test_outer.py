@@ -28,9 +28,14 @@ def test_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
 
 @pytest.fixture
 def one_rank_group():
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29677", rank=0, world_size=1)
+    # An in-process one-device Trainer earlier in the session may have left its world-size-1 group behind.
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29677", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     yield
-    dist.destroy_process_group()
+    if created:
+        dist.destroy_process_group()
 
 
 def test_scheme_applies_the_outer_step_to_trainable_parameters_only(one_rank_group):
