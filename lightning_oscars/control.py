@@ -42,6 +42,8 @@ class RankReport:
         global_step: Lightning's ``global_step`` (must agree: a rank that stepped differently is an error).
         overhead: seconds of its previous round not spent in its own local steps (waits, no-op slots, Lightning's
             work between steps, the averaging); the busiest rank reports the least: the round's fixed cost.
+        units: units (optimizer steps' data) it trained in the current round so far: a deadline round hands back
+            what its reservation held beyond this.
     """
 
     step_time: float = 0.0
@@ -50,6 +52,7 @@ class RankReport:
     allreduce: float = 0.0
     global_step: int = 0
     overhead: float = 0.0
+    units: int = 0
 
 
 _ROW = len(dataclasses.fields(RankReport))
@@ -104,8 +107,12 @@ class ControlData:
             raise ValueError(f"control data of {len(summed)} entries for {world_size} ranks")
         rows = []
         for rank in range(world_size):
-            step_time, samples, compute, allreduce, global_step, overhead = summed[rank * _ROW : (rank + 1) * _ROW]
-            rows.append(RankReport(step_time, round(samples), compute, allreduce, round(global_step), overhead))
+            step_time, samples, compute, allreduce, global_step, overhead, units = summed[
+                rank * _ROW : (rank + 1) * _ROW
+            ]
+            rows.append(
+                RankReport(step_time, round(samples), compute, allreduce, round(global_step), overhead, round(units))
+            )
         g = cls.weight_index(world_size)
         stop, sigterm, requeue = (summed[g + i] > 0.0 for i in range(1, 1 + len(_FLAGS)))
         return cls(tuple(rows), summed[g], stop, sigterm, requeue)

@@ -69,7 +69,8 @@ class RoundDriver:
             batches_per_slot=LightningAdapter.accumulation_at(trainer, trainer.current_epoch),
             order=EpochOrder.of(dataloader.sampler, training_set_size(dataloader), s.seed),
         )
-        loader.max_slots = self.scheme.policy.epoch_slot_bound(loader.total_units)
+        loader.max_slots = self.rounds.epoch_slot_bound(loader.total_units)
+        loader.pacer = self.rounds.pacer
         self.loader = loader
         self.rounds.forget_plan()
         return loader
@@ -106,7 +107,7 @@ class RoundDriver:
         if accumulation != loader.batches_per_slot:
             # A GradientAccumulationScheduler changed the slot size: units, bounds and the plan follow.
             loader.set_batches_per_slot(accumulation)
-            loader.max_slots = self.scheme.policy.epoch_slot_bound(loader.total_units)
+            loader.max_slots = self.rounds.epoch_slot_bound(loader.total_units)
             self.rounds.forget_plan()
         plan = self.rounds.plan_epoch(epoch, loader.total_units, loader.max_slots)
         order = None

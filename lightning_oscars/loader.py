@@ -12,6 +12,10 @@ permutation identical on every rank, or whatever a custom sampler (weighted, cur
 epoch. Real batches come from one inner ``DataLoader`` over the user's dataset (same collate function,
 workers, pinning) whose batch sampler is this rank's upcoming index lists; a re-plan hands it new lists and
 restarts its iterator, so ``persistent_workers=True`` keeps the worker processes for the whole fit.
+
+In a deadline round (``deadline.py``) the rank's real slots are not planned: as Lightning fetches each slot the
+loader asks its :class:`~lightning_oscars.deadline.DeadlinePacer` whether the next step still fits before the
+round's deadline, and hands out the rank's reserved units in order while it does.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_oscars.deadline import DeadlinePacer
 from lightning_oscars.epoch_order import EpochOrder, training_set_size
-from lightning_oscars.partition import EpochPlan
+from lightning_oscars.partition import EpochPlan, Round
 
 __all__ = [
     "EpochOrder",
@@ -143,6 +148,7 @@ class LoadBalancedLoader:
         self._feed = _IndexLists()
         self._inner_loader = DataLoader(dataset, batch_sampler=self._feed, **loader_kwargs)
         self.plan: EpochPlan | None = None
+        self.pacer: DeadlinePacer | None = None  # decides the real slots of deadline rounds (set by the strategy)
         self.start_position = 0  # set by the strategy when Lightning resumes mid-epoch
         self._order: list[int] | None = None
         self._order_epoch = -1
@@ -219,6 +225,11 @@ class _EpochIterator:
         self._inner: Iterator[Any] | None = None
         self._inner_version = -1
         self._fresh_inner = False
+        self._stale_inner = False  # the inner loader still holds units this rank did not reach in a deadline round
+        # The deadline round being fetched: its first slot, the units handed out so far, this slot's unit.
+        self._round_slot = -1
+        self._taken = 0
+        self._slot_unit: int | None = None
         owner._slots.clear()
 
     def _indices(self, batch: int) -> list[int]:
@@ -243,25 +254,81 @@ class _EpochIterator:
         batch = unit * owner.batches_per_slot + within
         return batch if batch < owner.num_batches else None
 
+    def _enter_round(self, rnd: Round, slot: int) -> None:
+        """The first batch fetched of round ``rnd`` (at ``slot``: part-way in when resuming)."""
+        plan = self.owner.plan
+        assert plan is not None
+        rank = self.owner.rank
+        previous = plan.round_at(self._round_slot) if 0 <= self._round_slot < plan.total_slots else None
+        if previous is not None and previous.deadline and self._taken < previous.quotas[rank]:
+            self._stale_inner = True  # the inner loader still holds the units this rank did not reach
+        self._round_slot = rnd.start_slot
+        self._taken = 0 if slot == rnd.start_slot else plan.progress[rank]
+
+    def _deadline_batch(self, position: int, rnd: Round) -> int | None:
+        """The epoch batch trained at ``position`` of deadline round ``rnd``, or ``None`` for a no-op: decided as
+        the slot's first batch is fetched (the pacer), then the same unit for the slot's other batches."""
+        owner = self.owner
+        plan = owner.plan
+        assert plan is not None
+        slot, within = divmod(position, owner.batches_per_slot)
+        if within == 0:
+            reserved = rnd.quotas[owner.rank]
+            pending = sum(1 for info in owner._slots if info.real)
+            pacer = owner.pacer
+            due = self._taken < reserved and (
+                pacer is None or pacer.is_due(slot - rnd.start_slot, rnd.length, self._taken, reserved, pending)
+            )
+            self._slot_unit = plan.reserved_units(owner.rank, rnd)[self._taken] if due else None
+            self._taken += int(due)
+        if self._slot_unit is None:
+            return None
+        batch = self._slot_unit * owner.batches_per_slot + within
+        return batch if batch < owner.num_batches else None
+
+    def _upcoming_batches(self) -> list[int]:
+        """The epoch batches this rank will train from :attr:`position` on, as the plan stands: in a deadline round
+        all the rank's reserved units not handed out yet (the current slot's included)."""
+        owner = self.owner
+        plan = owner.plan
+        assert plan is not None
+        bps = owner.batches_per_slot
+        upcoming: list[int] = []
+        for rnd in plan.rounds:
+            if rnd.end_slot * bps <= self.position:
+                continue
+            if not rnd.deadline:
+                for position in range(max(self.position, rnd.start_slot * bps), rnd.end_slot * bps):
+                    batch = self._batch_at(position)
+                    if batch is not None:
+                        upcoming.append(batch)
+                continue
+            units = plan.reserved_units(owner.rank, rnd)
+            within = 0
+            if rnd.start_slot == self._round_slot and rnd.start_slot * bps <= self.position:
+                units = units[max(0, self._taken - 1) :]  # the current slot's unit was just handed out
+                within = self.position % bps
+            for k, unit in enumerate(units):
+                for w in range(within if k == 0 else 0, bps):
+                    if unit * bps + w < owner.num_batches:
+                        upcoming.append(unit * bps + w)
+        return upcoming
+
     def _restart_inner(self) -> None:
         owner = self.owner
         plan = owner.plan
         assert plan is not None
-        upcoming = []
-        for position in range(self.position, plan.total_slots * owner.batches_per_slot):
-            batch = self._batch_at(position)
-            if batch is not None:
-                upcoming.append(self._indices(batch))
-        self._inner = owner.fetch(upcoming)
+        self._inner = owner.fetch([self._indices(batch) for batch in self._upcoming_batches()])
         self._inner_version = plan.version
         self._fresh_inner = True
+        self._stale_inner = False
 
     def _real_batch(self, indices: list[int]) -> tuple[Any, float | None]:
         owner = self.owner
         if owner.plan is None:
             started = time.perf_counter()
             return owner.fetch_one(indices), time.perf_counter() - started
-        if self._inner is None or self._inner_version != owner.plan.version:
+        if self._inner is None or self._inner_version != owner.plan.version or self._stale_inner:
             self._restart_inner()
         assert self._inner is not None
         started = time.perf_counter()
@@ -281,7 +348,17 @@ class _EpochIterator:
             self.position, owner.start_position = owner.start_position, 0
         if self.position >= len(owner):
             raise StopIteration
-        batch = self._batch_at(self.position)
+        plan = owner.plan
+        slot = self.position // owner.batches_per_slot
+        rnd = plan.round_at(slot) if plan is not None and slot < plan.total_slots else None
+        if rnd is not None and rnd.start_slot != self._round_slot and self.position % owner.batches_per_slot == 0:
+            self._enter_round(rnd, slot)
+        if rnd is not None and rnd.deadline:
+            batch = self._deadline_batch(self.position, rnd)
+        else:
+            batch = self._batch_at(self.position)
+            # Counted in plain rounds too: a round's first slot is fetched before a re-plan may make it a deadline one.
+            self._taken += int(batch is not None and self.position % owner.batches_per_slot == 0)
         if batch is None:
             if self.last_batch is None:
                 # Only when resuming into a no-op slot: Lightning skips a None batch entirely (no step, no

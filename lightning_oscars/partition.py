@@ -14,6 +14,13 @@ Vocabulary:
 A round takes the next ``sum(quotas)`` units: first one unit for every rank that trains at all, in rank
 order, then the rest of every rank's units, rank after rank. Because a rank's first unit does not depend on
 the quotas, the first batch of a round can be fetched before the schedule for that round is known.
+
+A *deadline round* (``deadline_rounds=True``) *reserves* ``quotas[i]`` units for rank ``i`` and lasts
+``max(quotas)`` slots; the rank decides slot by slot whether its next step still fits before the round's deadline
+(``deadline.py``) and trains a prefix of its reservation. :meth:`EpochPlan.settle` then hands the units nobody
+trained back to the epoch: they are trained first in the following rounds, right after the next round's first
+units (already fetched), so every unit is still used exactly once per epoch. The plan keeps the epoch's order of
+units as a list of *positions*, which settling rewrites; rounds address positions.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 
 __all__ = [
     "EpochPlan",
+    "deadline_epoch_slots",
     "Round",
     "max_epoch_slots",
     "plan_rounds",
@@ -108,12 +116,15 @@ def round_quotas(local_steps: Sequence[int], remaining_units: int, remaining_slo
 
 @dataclass(frozen=True)
 class Round:
-    """One round: ``length`` slots from ``start_slot``; rank ``i`` trains ``quotas[i]`` units from ``first_unit``."""
+    """One round: ``length`` slots from ``start_slot``; rank ``i`` trains ``quotas[i]`` units from position
+    ``first_unit``. In a ``deadline`` round the quotas are reservations until :meth:`EpochPlan.settle` replaces
+    them by what each rank trained."""
 
     start_slot: int
     length: int
     quotas: tuple[int, ...]
     first_unit: int
+    deadline: bool = False
 
     @property
     def end_slot(self) -> int:
@@ -141,14 +152,36 @@ class Round:
         return [first, *range(rest, rest + self.quotas[rank] - 1)]
 
 
+def _deadline_round_fits(reserve: Sequence[int], remaining_units: int, remaining_slots: int) -> bool:
+    """Whether a deadline round reserving ``reserve`` may start: after it at least one unit per rank is left (the
+    next round's first units, fetched before this round is settled, must not be ones it hands back), and even if
+    every rank trained only its first unit the rest still fits in the slots after it (a rank trains at most one
+    unit per slot)."""
+    n = len(reserve)
+    length = max(reserve)
+    return remaining_units - sum(reserve) >= n and remaining_units - n <= n * (remaining_slots - length)
+
+
 def plan_rounds(
-    local_steps: Sequence[int], total_units: int, total_slots: int, start_slot: int = 0, first_unit: int = 0
+    local_steps: Sequence[int],
+    total_units: int,
+    total_slots: int,
+    start_slot: int = 0,
+    first_unit: int = 0,
+    reserve: Sequence[int] | None = None,
 ) -> list[Round]:
-    """The rounds from ``start_slot`` to ``total_slots`` if every round follows ``local_steps``."""
+    """The rounds from ``start_slot`` to ``total_slots`` if every round follows ``local_steps``. With ``reserve``
+    (per-rank reservations of deadline rounds), rounds are deadline rounds while :func:`_deadline_round_fits`, laid
+    out as if every reservation were trained (settling re-plans), and plain rounds after."""
     steps = tuple(local_steps)
     rounds: list[Round] = []
     slot, unit = start_slot, first_unit
     while slot < total_slots:
+        if reserve is not None and _deadline_round_fits(reserve, total_units - unit, total_slots - slot):
+            rounds.append(Round(slot, max(reserve), tuple(reserve), unit, deadline=True))
+            slot += max(reserve)
+            unit += sum(reserve)
+            continue
         quotas = tuple(round_quotas(steps, total_units - unit, total_slots - slot))
         length = max(quotas) if any(quotas) else total_slots - slot
         rounds.append(Round(slot, length, quotas, unit))
@@ -169,6 +202,14 @@ def planned_slots(local_steps: Sequence[int], total_units: int) -> int:
     return slots
 
 
+def deadline_epoch_slots(local_steps: Sequence[int], reserve: Sequence[int], total_units: int) -> int:
+    """Slots of an epoch of deadline rounds, sized for rounds that train ``local_steps`` (what the schedule expects)
+    in ``max(reserve)`` slots. Ranks usually train more (each steps until the deadline), so the epoch ends early
+    and is cut then; a shortfall is caught up by the plain rounds at the epoch's end."""
+    per_round = sum(local_steps)
+    return -(-total_units // per_round) * max(reserve) + max(local_steps)
+
+
 def max_epoch_slots(total_units: int, world_size: int, most_steps: int, last_round: int) -> int:
     """The most slots an epoch of ``total_units`` can need when in every round the busiest rank takes at most
     ``most_steps`` local steps and every other rank at least one (every schedule either solver returns).
@@ -187,15 +228,30 @@ def max_epoch_slots(total_units: int, world_size: int, most_steps: int, last_rou
 class EpochPlan:
     """The rounds of one epoch; later rounds are re-planned when the schedule changes at a round boundary."""
 
-    def __init__(self, world_size: int, total_units: int, total_slots: int, local_steps: Sequence[int]) -> None:
-        if len(local_steps) != world_size:
-            raise ValueError(f"local_steps has {len(local_steps)} entries for {world_size} ranks")
+    def __init__(
+        self,
+        world_size: int,
+        total_units: int,
+        total_slots: int,
+        local_steps: Sequence[int],
+        reserve: Sequence[int] | None = None,
+    ) -> None:
+        if len(local_steps) != world_size or (reserve is not None and len(reserve) != world_size):
+            raise ValueError(f"local_steps or reserve do not have {world_size} entries, one per rank")
+        if reserve is not None and any(r < t or r < 1 for r, t in zip(reserve, local_steps)):
+            raise ValueError(f"reservations {list(reserve)} must be >= 1 and >= local_steps {list(local_steps)}")
         self.world_size = world_size
         self.total_units = total_units
         self.total_slots = total_slots
         self.version = 0
-        self._rounds = plan_rounds(local_steps, total_units, total_slots)
+        self.order: list[int] | None = None  # position -> unit once a deadline round handed units back
+        self.progress: tuple[int, ...] = (0,) * world_size  # units trained in the current round at the last averaging
+        self._rounds = plan_rounds(local_steps, total_units, total_slots, reserve=reserve)
         self._starts = [r.start_slot for r in self._rounds]
+
+    def unit(self, position: int) -> int:
+        """The unit at ``position`` of the epoch's order of units."""
+        return position if self.order is None else self.order[position]
 
     @property
     def rounds(self) -> tuple[Round, ...]:
@@ -214,24 +270,77 @@ class EpochPlan:
         index = bisect.bisect_left(offsets, slot - rnd.start_slot)
         if index == len(offsets) or offsets[index] != slot - rnd.start_slot:
             return None
-        return rnd.units_of(rank)[index]
+        return self.unit(rnd.units_of(rank)[index])
 
-    def replan(self, start_slot: int, local_steps: Sequence[int], shrink: bool = False) -> None:
+    def reserved_units(self, rank: int, rnd: Round) -> list[int]:
+        """The units ``rank`` trains (or, in a deadline round, may train, in this order) in ``rnd``."""
+        return [self.unit(p) for p in rnd.units_of(rank)]
+
+    def replan(
+        self,
+        start_slot: int,
+        local_steps: Sequence[int],
+        shrink: bool = False,
+        reserve: Sequence[int] | None = None,
+        bound: int | None = None,
+    ) -> None:
         """Re-plan every round from ``start_slot`` (which must start a round) with new local steps.
 
         With ``shrink``, an epoch sized as an upper bound (speeds unknown) is cut to the slots the new local
-        steps need for the units left; otherwise ``total_slots`` is kept and spare slots become no-ops.
+        steps need for the units left; otherwise ``total_slots`` is kept and spare slots become no-ops. With
+        ``reserve``, deadline rounds; the epoch is sized by :func:`deadline_epoch_slots` (within ``bound``) when
+        ``shrink``, and cut to its exact end once only plain rounds are left.
         """
         index = bisect.bisect_left(self._starts, start_slot)
         if index == len(self._starts) or self._starts[index] != start_slot:
             raise ValueError(f"slot {start_slot} does not start a round")
-        first_unit = self._rounds[index].first_unit
-        if shrink:
-            needed = start_slot + planned_slots(local_steps, self.total_units - first_unit)
+        # From the rounds before: a settled deadline round may have trained fewer units than it reserved.
+        before = self._rounds[index - 1] if index else None
+        first_unit = before.first_unit + sum(before.quotas) if before else self._rounds[0].first_unit
+        left = self.total_units - first_unit
+        if shrink and reserve is not None:
+            needed = start_slot + deadline_epoch_slots(local_steps, reserve, left)
+            self.total_slots = max(start_slot, min(bound or self.total_slots, needed))
+        elif shrink:
+            needed = start_slot + planned_slots(local_steps, left)
             self.total_slots = max(start_slot, min(self.total_slots, needed))
-        self._rounds[index:] = plan_rounds(local_steps, self.total_units, self.total_slots, start_slot, first_unit)
+        rounds = plan_rounds(local_steps, self.total_units, self.total_slots, start_slot, first_unit, reserve)
+        if reserve is not None and not any(r.deadline for r in rounds):  # the plain tail: its end is known
+            self.total_slots = max(start_slot, min(self.total_slots, start_slot + planned_slots(local_steps, left)))
+            rounds = plan_rounds(local_steps, self.total_units, self.total_slots, start_slot, first_unit)
+        self._rounds[index:] = rounds
         self._starts = [r.start_slot for r in self._rounds]
         self.version += 1
+
+    def settle(self, start_slot: int, trained: Sequence[int]) -> bool:
+        """The deadline round starting at ``start_slot`` is over: rank ``i`` trained the first ``trained[i]`` units
+        of its reservation. The units nobody trained move behind the next round's first units (already fetched);
+        the caller re-plans from the next round. Returns whether anything was handed back."""
+        index = bisect.bisect_left(self._starts, start_slot)
+        if index == len(self._starts) or self._starts[index] != start_slot or not self._rounds[index].deadline:
+            raise ValueError(f"slot {start_slot} does not start a deadline round")
+        rnd = self._rounds[index]
+        trained = tuple(int(t) for t in trained)
+        if len(trained) != self.world_size or any(not 0 <= t <= q for t, q in zip(trained, rnd.quotas)):
+            raise ValueError(f"trained {list(trained)} is not within the reservations {list(rnd.quotas)}")
+        self.progress = (0,) * self.world_size
+        if trained == rnd.quotas:
+            return False
+        order = self.order if self.order is not None else list(range(self.total_units))
+        start, end = rnd.first_unit, rnd.first_unit + sum(rnd.quotas)
+        reserved = [rnd.units_of(r) for r in range(self.world_size)]
+        settled = Round(rnd.start_slot, rnd.length, trained, start, deadline=True)
+        segment = [0] * sum(trained)
+        returned: list[int] = []
+        for rank, positions in enumerate(reserved):
+            for new, old in zip(settled.units_of(rank), positions):
+                segment[new - start] = order[old]
+            returned += [order[p] for p in positions[trained[rank] :]]
+        starters = order[end : end + self.world_size]
+        order[start:] = segment + starters + returned + order[end + self.world_size :]
+        self.order = order
+        self._rounds[index] = settled
+        return True
 
     def units_used(self) -> int:
         return sum(sum(r.quotas) for r in self._rounds)
@@ -240,13 +349,17 @@ class EpochPlan:
         return {
             "total_units": self.total_units,
             "total_slots": self.total_slots,
-            "rounds": [[r.start_slot, r.length, list(r.quotas), r.first_unit] for r in self._rounds],
+            "rounds": [[r.start_slot, r.length, list(r.quotas), r.first_unit, r.deadline] for r in self._rounds],
+            "order": self.order,
+            "progress": list(self.progress),
         }
 
     @classmethod
     def from_state_dict(cls, world_size: int, state: dict[str, Any]) -> EpochPlan:
         """The plan :meth:`state_dict` saved (a checkpoint written mid-epoch), re-planned rounds included."""
         plan = cls(world_size, state["total_units"], state["total_slots"], (1,) * world_size)
-        plan._rounds = [Round(s, n, tuple(q), u) for s, n, q, u in state["rounds"]]
+        plan._rounds = [Round(r[0], r[1], tuple(r[2]), r[3], len(r) > 4 and bool(r[4])) for r in state["rounds"]]
         plan._starts = [r.start_slot for r in plan._rounds]
+        plan.order = state.get("order")
+        plan.progress = tuple(state.get("progress") or (0,) * world_size)
         return plan

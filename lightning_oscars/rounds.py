@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_oscars.control import Contribution, ControlData, RankReport, RoundRecord
+from lightning_oscars.deadline import DeadlinePacer, reservations
 from lightning_oscars.loader import SlotInfo
-from lightning_oscars.partition import EpochPlan
+from lightning_oscars.partition import EpochPlan, deadline_epoch_slots
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.timing import LapClock, StepTimeEstimator, WallClock
 
@@ -62,6 +63,7 @@ class RoundController:
         policy: decides the local steps; :meth:`begin_fit` starts it.
         world_size / rank: this rank's place.
         weighted: weight this rank's model by its samples in the round (else every rank weighs 1).
+        deadline: deadline rounds (``deadline.py``) once a schedule is solved; :attr:`pacer` decides the slots.
         clock: measures local steps (host wall clock by default; CUDA events on a GPU).
         now: wall clock for the record's ``time``.
     """
@@ -73,6 +75,7 @@ class RoundController:
         rank: int,
         *,
         weighted: bool = False,
+        deadline: bool = False,
         clock: LapClock | None = None,
         now: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -82,6 +85,7 @@ class RoundController:
         self.world_size = world_size
         self.rank = rank
         self.weighted = weighted
+        self.pacer: DeadlinePacer | None = DeadlinePacer(now) if deadline else None
         self.clock: LapClock = clock if clock is not None else WallClock()
         self._now = now
         self.history: list[RoundRecord] = []
@@ -102,6 +106,7 @@ class RoundController:
         self._upper_bound = False
         self._replan_pending = False
         self._stop = self._sigterm = self._requeue = False
+        self._round_units = 0  # units this rank trained in the current round (across extra averagings)
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -123,6 +128,8 @@ class RoundController:
         """``seconds`` just spent outside training (validation): the records' ``time`` leaves them out."""
         self._excluded += max(0.0, seconds)
         self._chained = False
+        if self.pacer is not None:
+            self.pacer.shift(seconds)
         if self._round_started is not None:  # validation is not part of the round's cost either
             self._round_started += max(0.0, seconds)
 
@@ -130,14 +137,34 @@ class RoundController:
     def local_steps(self) -> tuple[int, ...]:
         return self.policy.local_steps
 
+    @property
+    def reserve(self) -> tuple[int, ...] | None:
+        """Each rank's reservation in a deadline round, or ``None`` while rounds are plain (no schedule yet)."""
+        return reservations(self.local_steps) if self.pacer is not None and self.policy.solved else None
+
+    def epoch_slot_bound(self, total_units: int) -> int:
+        """The loader's length: the most slots an epoch can take. Deadline rounds last their largest reservation,
+        beyond the local steps a plain round lasts, so their epochs take more slots."""
+        bound = self.policy.epoch_slot_bound(total_units)
+        if self.pacer is None:
+            return bound
+        reserve = self.reserve
+        if reserve is not None and not self.policy.resolve:  # pinned: the schedule, so the length, is known
+            return deadline_epoch_slots(self.local_steps, reserve, total_units)
+        return 2 * bound
+
     def plan_epoch(self, epoch: int, total_units: int, bound: int) -> EpochPlan:
         """The plan of ``epoch`` over ``total_units`` units in at most ``bound`` slots (the loader's length). A
         plan restored from a checkpoint for this epoch is kept (resume mid-epoch)."""
         plan = self.plan
         if plan is None or self.planned_epoch != epoch or plan.total_units != total_units:
             total_slots, self._upper_bound = self.policy.epoch_slots(total_units, bound)
-            plan = self.plan = EpochPlan(self.world_size, total_units, total_slots, self.local_steps)
+            reserve = self.reserve
+            if reserve is not None:
+                total_slots = min(bound, deadline_epoch_slots(self.local_steps, reserve, total_units))
+            plan = self.plan = EpochPlan(self.world_size, total_units, total_slots, self.local_steps, reserve)
             self.planned_epoch = epoch
+            self._round_units = 0
         self._replan_pending = False
         self.clock.drain()
         self._reset_round()
@@ -166,6 +193,8 @@ class RoundController:
         if plan is None:
             return None
         slot = batch_idx // batches_per_slot
+        if self.slot.real and batch_idx % batches_per_slot == 0:
+            self._round_units += 1
         if self.slot.real:
             self.clock.lap()
             self._slot_laps.append((slot, 0.0 if self._chained else self.slot.fetch_seconds or 0.0))
@@ -210,7 +239,13 @@ class RoundController:
         median = (self._medians.end_round() or 0.0) if self._medians.pending else 0.0
         compute = sum(per_slot.values())
         report = RankReport(
-            median, self._round_samples, compute, self._last_allreduce, global_step, self._last_overhead
+            median,
+            self._round_samples,
+            compute,
+            self._last_allreduce,
+            global_step,
+            self._last_overhead,
+            self._round_units,
         )
         weight = float(self._round_samples) if self.weighted else 1.0
         return Contribution(self.rank, report, weight, self._stop or stop, self._sigterm, self._requeue)
@@ -258,25 +293,42 @@ class RoundController:
             round_cost=self.allreduce_cost,
         )
         self.history.append(record)
-        resized = self._replan(rebalanced, next_round)
+        resized = self._replan(rebalanced, next_round, tuple(r.units for r in summed.ranks))
+        if next_round is not None:
+            self._round_units = 0
+            if self.pacer is not None and self.policy.solved:
+                # The round's deadline: the schedule's period at the current estimates.
+                times = self.policy.estimate
+                self.pacer.start_round(max(tau * t for tau, t in zip(self.local_steps, times)), times[self.rank])
         self._stop = False
         if summed.requeue:
             self._requeue = False
         self._reset_round()
         return RoundOutcome(record, summed.stop, summed.sigterm, summed.requeue, rebalanced, resized)
 
-    def _replan(self, rebalanced: bool, next_round: int | None) -> bool:
-        """Follow a new schedule from the next round boundary; return whether the epoch got shorter. A schedule
-        adopted at an extra averaging (before validation or a checkpoint) waits for the next boundary."""
+    def _replan(self, rebalanced: bool, next_round: int | None, trained: tuple[int, ...]) -> bool:
+        """Follow a new schedule from the next round boundary; return whether the epoch's length changed. A schedule
+        adopted at an extra averaging (before validation or a checkpoint) waits for the next boundary. A deadline
+        round that ended hands back the units its ranks did not reach first."""
         self._replan_pending = self._replan_pending or rebalanced
         plan = self.plan
-        if not self._replan_pending or next_round is None or plan is None or next_round >= plan.total_slots:
+        if plan is None:
+            return False
+        if next_round is None:  # an extra averaging inside a round: remember how far each rank got (checkpoints)
+            plan.progress = trained
+            return False
+        if 0 < next_round <= plan.total_slots:
+            ended = plan.round_at(next_round - 1)
+            if ended.deadline and plan.settle(ended.start_slot, trained):
+                self._replan_pending = True
+        if not self._replan_pending or next_round >= plan.total_slots:
             return False
         # The first epoch was sized as an upper bound while speeds were unknown: cut it to what is needed.
-        plan.replan(next_round, self.local_steps, shrink=self._upper_bound)
+        slots = plan.total_slots
+        plan.replan(next_round, self.local_steps, shrink=self._upper_bound, reserve=self.reserve)
         self._replan_pending = False
-        resized, self._upper_bound = self._upper_bound, False
-        return resized
+        self._upper_bound = False
+        return plan.total_slots != slots
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -309,4 +361,5 @@ class RoundController:
             return None
         self.plan = EpochPlan.from_state_dict(self.world_size, plan)
         self.planned_epoch = int(state["plan_epoch"])
+        self._round_units = self.plan.progress[self.rank]
         return self.plan

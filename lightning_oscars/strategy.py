@@ -65,6 +65,9 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             the times the schedule was solved for.
         min_gain: adopt a re-solved schedule only if it is predicted to be this fraction faster (hysteresis).
         smoothing: weight of the newest round in the step-time moving average.
+        deadline_rounds: each rank trains while its next step fits before the round's deadline (the schedule's
+            period) instead of exactly its local steps, and hands back the data it did not reach: per-step jitter
+            then costs nobody a wait (see ``lightning_oscars.deadline``). Off by default.
         step_times: pin every rank's seconds per step (no profiling, one solve, reproducible).
         local_steps: pin every rank's local steps per round (no profiling, no solving).
         seed: seed of the per-epoch shuffle of the training data; by default the seed of the sampler Lightning
@@ -103,6 +106,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         rebalance_threshold: float = 0.2,
         min_gain: float = 0.02,
         smoothing: float = 0.5,
+        deadline_rounds: bool = False,
         step_times: Sequence[float] | None = None,
         local_steps: Sequence[int] | None = None,
         seed: int | None = None,
@@ -144,6 +148,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             rebalance_threshold=rebalance_threshold,
             min_gain=min_gain,
             smoothing=smoothing,
+            deadline_rounds=deadline_rounds,
             step_times=step_times,
             local_steps=local_steps,
             seed=seed,
@@ -251,6 +256,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             self.world_size,
             self.global_rank,
             weighted=self.averaging == "samples",
+            deadline=self.deadline_rounds,
             clock=make_clock(self.root_device),
         )
         rounds.begin_fit(trainer.max_steps)

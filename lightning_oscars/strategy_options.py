@@ -25,6 +25,7 @@ class OscarsOptions:
     rebalance_threshold: float
     min_gain: float
     smoothing: float
+    deadline_rounds: bool
     pinned_step_times: tuple[float, ...] | None
     pinned_local_steps: tuple[int, ...] | None
     seed: int | None
@@ -46,6 +47,7 @@ class OscarsOptions:
         min_gain: float,
         smoothing: float,
         step_times: Sequence[float] | None,
+        deadline_rounds: bool = False,
         local_steps: Sequence[int] | None,
         seed: int | None,
         monitor: bool,
@@ -79,6 +81,9 @@ class OscarsOptions:
         self.rebalance_threshold = float(rebalance_threshold)
         self.min_gain = float(min_gain)
         self.smoothing = float(smoothing)
+        if not isinstance(deadline_rounds, bool):
+            raise ValueError(f"deadline_rounds must be True or False, got {deadline_rounds!r}")
+        self.deadline_rounds = deadline_rounds
         self.pinned_step_times = policy.pinned_step_times
         self.pinned_local_steps = policy.pinned_local_steps
         self.seed = seed

@@ -224,17 +224,22 @@ class Indexed(Dataset):
 class IndexedModule(ToyModule):
     """Records the sample indices trained in every epoch; ``sampler``: "weighted" (sample 0 weighs 1000) or None."""
 
-    def __init__(self, sampler: str | None = None, **kwargs) -> None:
-        super().__init__(n=100, batch_size=10, **kwargs)
+    def __init__(self, sampler: str | None = None, n: int = 100, batch_size: int = 10, **kwargs) -> None:
+        super().__init__(n=n, batch_size=batch_size, **kwargs)
         self.sampler = sampler
         self.trained: list[list[int]] = []
+        self.trained_steps: list[tuple[int, list[int]]] = []  # (global_step, indices) of every real step
 
     def on_train_epoch_start(self) -> None:
         self.trained.append([])
 
     def training_step(self, batch, batch_idx):
         x, y, idx = batch
+        if not self.trained:  # resumed mid-epoch: Lightning does not run on_train_epoch_start again
+            self.trained.append([])
         self.trained[-1].extend(idx.tolist())
+        if len(idx):
+            self.trained_steps.append((self.trainer.global_step, idx.tolist()))
         return super().training_step((x, y), batch_idx)
 
     def train_dataloader(self):
@@ -396,6 +401,17 @@ def build(case: str, out: Path):
         callbacks = [HeterogeneityEmulator({0: 3.0})]
     elif case == "resume_from_env":  # a checkpoint written by another world size
         kwargs.update(max_epochs=3, default_root_dir=str(out))
+    elif case in ("deadline", "deadline_midepoch_first", "deadline_midepoch_second"):
+        # Deadline rounds on a jittery 1.5x/4.5x cluster, validation twice per epoch (rounds cut mid-way).
+        module = IndexedModule(n=480, batch_size=8, step_cost=0.002)
+        strategy = OscarsStrategy(warmup_steps=2, deadline_rounds=True)
+        callbacks = [HeterogeneityEmulator({0: 1.5, 1: 4.5}, jitter=0.6)]
+        kwargs.update(max_epochs=3, val_check_interval=0.5, limit_val_batches=2)
+        if case == "deadline_midepoch_first":
+            kwargs.update(enable_checkpointing=True, default_root_dir=str(out))
+            callbacks += [ModelCheckpoint(dirpath=out / "steps", every_n_train_steps=13, save_top_k=-1)]
+        elif case == "deadline_midepoch_second":
+            kwargs.update(default_root_dir=str(out))
     elif case == "warmup_too_long":
         strategy = OscarsStrategy(warmup_steps=8)
         kwargs.update(max_epochs=-1, max_steps=5)
@@ -505,6 +521,8 @@ def main() -> None:
         ckpt = str(out / "ckpt" / "last.ckpt")
     elif case == "midepoch_second":
         ckpt = str(out / "steps" / "epoch=0-step=5.ckpt")
+    elif case == "deadline_midepoch_second":
+        ckpt = str(out / "steps" / "epoch=0-step=13.ckpt")
     elif case == "resume_from_env":
         ckpt = os.environ["OSCARS_TEST_CKPT"]
     elif case == "preempt_resume":
@@ -521,6 +539,10 @@ def main() -> None:
     try:
         trainer.fit(module, ckpt_path=ckpt)
     except (Exception, SystemExit) as error:  # noqa: BLE001 - reported to the test (SIGTERMException is a SystemExit)
+        if os.environ.get("OSCARS_TEST_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
         result["error"] = f"{type(error).__name__}: {error}"
         result["error_after_s"] = time.perf_counter() - started
     if case == "spawn_then_save" and "error" not in result:
@@ -549,7 +571,7 @@ def main() -> None:
         seen_per_epoch=per_epoch.per_epoch,
         handled_at=handled_at,
     )
-    for name in ("optimizer_steps", "steps_per_epoch", "trained"):
+    for name in ("optimizer_steps", "steps_per_epoch", "trained", "trained_steps"):
         if hasattr(module, name):
             result[name] = getattr(module, name)
     if hasattr(module, "big"):

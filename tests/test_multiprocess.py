@@ -422,3 +422,31 @@ def test_soak_random_speed_changes_for_hundreds_of_rounds(tmp_path):
         if epoch < len(completed):
             assert a + b == 2048, (epoch, a, b)
     print(f"soak: {rounds} rounds, {len(completed)} epochs, {fast['global_step']} steps")
+
+
+def _epochs_complete(fast: dict, slow: dict, n: int) -> None:
+    for epoch, (a, b) in enumerate(zip(fast["trained"], slow["trained"])):
+        assert sorted(a + b) == list(range(n)), f"epoch {epoch}: every sample exactly once"
+
+
+def test_deadline_rounds_follow_the_clock_and_train_every_sample_once(tmp_path):
+    fast, slow = finished("deadline", tmp_path)  # identical weights, no hang
+    assert len(fast["trained"]) == 3
+    _epochs_complete(fast, slow, 480)
+    solved = [h for h in fast["history"] if h["round"] > 1]
+    trained = [tuple(s // 8 for s in h["samples"]) for h in solved]
+    # Under jitter the steps a rank takes follow the deadline: they differ from the schedule's in some rounds.
+    assert any(t != tuple(h["local_steps"]) for t, h in zip(trained, solved)), trained
+    assert sum(len(a) for a in fast["trained"]) > 2 * sum(len(b) for b in slow["trained"])
+
+
+def test_deadline_rounds_resume_mid_round_without_losing_or_repeating_data(tmp_path):
+    first = finished("deadline_midepoch_first", tmp_path)
+    assert (tmp_path / "steps" / "epoch=0-step=13.ckpt").exists()
+    # What both ranks trained before the checkpoint (a cut in the middle of a deadline round), then the resumed run.
+    before = [idx for r in first for step, batch in r["trained_steps"] if step < 13 for idx in batch]
+    fast, slow = finished("deadline_midepoch_second", tmp_path)
+    after = fast["trained"][0] + slow["trained"][0]
+    assert sorted(before + after) == list(range(480)), "the resumed epoch trains exactly what was left"
+    _epochs_complete({"trained": fast["trained"][1:]}, {"trained": slow["trained"][1:]}, 480)
+    assert fast["epoch"] == first[0]["epoch"] == 3 and len(fast["trained"]) == 3

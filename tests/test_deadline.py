@@ -1,0 +1,210 @@
+"""Deadline rounds without Lightning and without torch.distributed: the pacer, the plan's settling, and two ranks'
+loaders and round controllers driven slot by slot on simulated clocks, with Lightning's one-batch prefetch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_oscars import RoundController, SchedulePolicy
+from lightning_oscars.control import ControlData
+from lightning_oscars.deadline import DeadlinePacer, reservations
+from lightning_oscars.loader import LoadBalancedLoader
+from lightning_oscars.partition import EpochPlan, deadline_epoch_slots
+
+
+class Time:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_reservations_add_a_quarter_and_at_least_one():
+    assert reservations((1, 3, 4, 8, 16)) == (2, 4, 5, 10, 20)
+    with pytest.raises(ValueError, match=">= 1"):
+        reservations((0, 2))
+
+
+def test_pacer_spreads_the_steps_that_fit_and_stops_at_the_deadline():
+    clock = Time()
+    pacer = DeadlinePacer(clock)
+    pacer.start_round(deadline_s=1.0, step_s=0.25)  # 4 steps fit in 1 s
+    due, taken = [], 0
+    for offset in range(8):  # 8 slots; a real step takes 0.25 s, a no-op nothing
+        is_real = pacer.is_due(offset, 8, taken, reserved=6, pending=0)
+        due.append(is_real)
+        taken += is_real
+        clock.now += 0.25 if is_real else 0.0
+    assert sum(due) == 4 and due[0], due
+    assert due[4:] != [False] * 4, "the steps are spread over the round, not packed at its start"
+    assert clock.now == pytest.approx(1.0)
+    # A rank that is running late takes fewer; one that is fast takes more, up to its reservation.
+    for step, expected in ((0.35, 3), (0.45, 2), (0.1, 6)):
+        clock.now = 0.0
+        pacer.start_round(1.0, step)
+        taken = 0
+        for offset in range(8):
+            if pacer.is_due(offset, 8, taken, reserved=6, pending=0):
+                taken += 1
+                clock.now += step
+        assert taken == expected, (step, taken)
+
+
+def test_pacer_counts_the_fetched_step_and_moves_its_deadline_past_validation():
+    clock = Time()
+    pacer = DeadlinePacer(clock)
+    pacer.start_round(1.0, 0.5)
+    assert pacer.is_due(0, 2, 0, 2, pending=0)  # the first slot always trains
+    assert not pacer.is_due(1, 2, 1, 2, pending=1) or clock.now < 0.25  # 0.5 fetched + 0.5 fits exactly
+    clock.now = 0.9
+    assert not pacer.is_due(1, 4, 1, 3, pending=0)
+    pacer.shift(2.0)  # validation ran for 2 s: the deadline moved with it
+    assert pacer.is_due(1, 4, 1, 3, pending=0)
+    assert not pacer.is_due(2, 4, 3, 3, pending=0), "never beyond the reservation"
+    with pytest.raises(ValueError):
+        pacer.start_round(-1.0, 0.1)
+
+
+def test_settling_hands_back_what_was_not_reached_and_keeps_every_unit_once():
+    rng = random.Random(0)
+    steps, world = (6, 2), 2
+    reserve = reservations(steps)
+    total = 200
+    plan = EpochPlan(world, total, deadline_epoch_slots(steps, reserve, total), steps, reserve)
+    assert plan.rounds[0].deadline and plan.rounds[0].length == max(reserve)
+    trained: list[int] = []
+    slot = 0
+    while slot < plan.total_slots:
+        rnd = plan.round_at(slot)
+        if rnd.is_empty:
+            break
+        nxt = plan.round_at(rnd.end_slot) if rnd.end_slot < plan.total_slots else None
+        firsts = [plan.reserved_units(r, nxt)[0] for r in range(world)] if nxt and not nxt.is_empty else None
+        if rnd.deadline:
+            counts = [rng.randint(1, q) for q in rnd.quotas]
+            units = [plan.reserved_units(r, rnd)[:c] for r, c in enumerate(counts)]
+            handed_back = plan.settle(rnd.start_slot, counts)
+            assert handed_back == (counts != list(rnd.quotas))
+            assert [plan.reserved_units(r, plan.round_at(slot)) for r in range(world)] == units
+            before = plan.total_slots
+            plan.replan(rnd.end_slot, steps, reserve=reserve)
+            assert plan.total_slots <= before
+            if firsts is not None and rnd.end_slot < plan.total_slots:  # fetched before settling: unchanged
+                assert [plan.reserved_units(r, plan.round_at(rnd.end_slot))[0] for r in range(world)] == firsts
+        else:
+            units = [plan.reserved_units(r, rnd) for r in range(world)]
+        trained += [u for per_rank in units for u in per_rank]
+        slot = rnd.end_slot
+    assert sorted(trained) == list(range(total)), "every unit exactly once"
+    assert not plan.round_at(plan.total_slots - 1).deadline, "the epoch ends with plain rounds"
+    restored = EpochPlan.from_state_dict(world, plan.state_dict())
+    assert restored.order == plan.order and restored.rounds == plan.rounds
+
+
+def test_settle_rejects_counts_beyond_the_reservation():
+    plan = EpochPlan(2, 100, 60, (3, 1), reservations((3, 1)))
+    with pytest.raises(ValueError, match="within the reservations"):
+        plan.settle(0, (9, 1))
+    plan.settle(0, (3, 1))
+    with pytest.raises(ValueError, match="does not start a deadline round"):
+        plan.settle(1, (1, 1))
+
+
+class SimClock:
+    """A lap clock on a rank's simulated time."""
+
+    def __init__(self, time: Time) -> None:
+        self.time, self._mark, self._laps = time, 0.0, []
+
+    def mark(self) -> None:
+        self._mark = self.time.now
+
+    def lap(self) -> None:
+        self._laps.append(self.time.now - self._mark)
+        self._mark = self.time.now
+
+    def drain(self) -> list[float]:
+        laps, self._laps = self._laps, []
+        return laps
+
+
+def simulate(deadline: bool, epochs: int = 3, sigma: float = 0.3, seed: int = 0) -> tuple[list[list[int]], float, list]:
+    """Two ranks (0.01 s and 0.03 s per step, lognormal jitter ``sigma``) train ``epochs`` epochs of 480 samples:
+    Lightning's loop reduced to its order of calls (fetch one batch ahead, take the slot, step, end the slot, average
+    at round ends). Returns the samples trained per epoch (both ranks), the simulated seconds and the history."""
+    rng = random.Random(seed)
+    data = DataLoader(TensorDataset(torch.arange(480)), batch_size=4, shuffle=True)
+    times = [Time(), Time()]
+    ranks = []
+    for rank in range(2):
+        policy = SchedulePolicy(warmup_steps=2, max_local_steps=8)
+        controller = RoundController(policy, 2, rank, deadline=deadline, clock=SimClock(times[rank]), now=times[rank])
+        controller.begin_fit()
+        loader = LoadBalancedLoader(data, rank, 2, shuffle=True, seed=1)
+        loader.pacer = controller.pacer
+        loader.max_slots = controller.epoch_slot_bound(loader.total_units)
+        ranks.append((controller, loader))
+    seen: list[list[int]] = []
+    for epoch in range(epochs):
+        iterators, pending, batch = [], [], 0
+        for controller, loader in ranks:
+            plan = controller.plan_epoch(epoch, loader.total_units, loader.max_slots)
+            loader.start_epoch(plan, epoch, None)
+            iterators.append(iter(loader))
+            pending.append([next(iterators[-1])])  # Lightning fetches one batch ahead
+        seen.append([])
+        while batch < ranks[0][0].plan.total_slots:
+            ends = []
+            for rank, (controller, loader) in enumerate(ranks):
+                b = batch
+                while True:
+                    (item,) = pending[rank].pop(0)
+                    pending[rank].append(next(iterators[rank], None))  # None: the loader's bound was reached
+                    info = loader.take_slot()
+                    controller.begin_slot(info)
+                    if info.real:
+                        seen[-1] += item.tolist()
+                        times[rank].now += (0.01, 0.03)[rank] * rng.lognormvariate(0.0, sigma)
+                    else:
+                        times[rank].now += 0.0005
+                    end = controller.end_slot(b, 1, controller.plan.total_slots)
+                    b += 1
+                    if end is not None or b >= controller.plan.total_slots:  # a round's or the epoch's end
+                        break
+                ends.append((end, b))
+            assert ends[0] == ends[1], "both ranks end the round at the same slot"
+            batch = ends[0][1]
+            if ends[0][0] is None and not ranks[0][0].needs_average:
+                continue
+            meet = max(t.now for t in times) + 0.002
+            for t in times:
+                t.now = meet
+            vectors = [c.contribution(global_step=0).encode(2) for c, _ in ranks]
+            summed = ControlData.decode([sum(v) for v in zip(*vectors)], 2)
+            outcomes = [c.absorb(summed, allreduce_s=0.002, epoch=epoch, global_step=0, next_round=ends[0][0])
+                        for c, _ in ranks]  # fmt: skip
+            assert outcomes[0] == outcomes[1]
+    return seen, times[0].now, ranks[0][0].history
+
+
+def test_two_ranks_train_every_sample_once_and_wait_less_than_with_fixed_steps():
+    seen, _, history = simulate(deadline=True)
+    for epoch in seen:
+        assert sorted(epoch) == list(range(480)), "every sample exactly once per epoch"
+    taus = [r.local_steps for r in history[1:]]
+    trained = [tuple(s // 4 for s in r.samples) for r in history[1:]]
+    assert any(t != tau for t, tau in zip(trained, taus)), "steps follow the deadline, not the schedule"
+    # Same samples, same (heavy) jitter: deadline rounds finish sooner, because nobody waits for the other's tail.
+    # Summed over three seeds: at two ranks one draw of the jitter can go either way.
+    deadline = sum(simulate(True, epochs=2, sigma=0.5, seed=seed)[1] for seed in range(3))
+    fixed = 0.0
+    for seed in range(3):
+        fixed_seen, seconds, _ = simulate(False, epochs=2, sigma=0.5, seed=seed)
+        assert all(sorted(epoch) == list(range(480)) for epoch in fixed_seen)
+        fixed += seconds
+    assert deadline < 0.98 * fixed, (deadline, fixed)
