@@ -44,6 +44,8 @@ class RankReport:
             work between steps, the averaging); the busiest rank reports the least: the round's fixed cost.
         units: units (optimizer steps' data) it trained in the current round so far: a deadline round hands back
             what its reservation held beyond this.
+        jitter: the log-spread of its steps in the round around its median (0: not measured); deadline rounds
+            choose their length from it.
     """
 
     step_time: float = 0.0
@@ -53,6 +55,7 @@ class RankReport:
     global_step: int = 0
     overhead: float = 0.0
     units: int = 0
+    jitter: float = 0.0
 
 
 _ROW = len(dataclasses.fields(RankReport))
@@ -107,11 +110,13 @@ class ControlData:
             raise ValueError(f"control data of {len(summed)} entries for {world_size} ranks")
         rows = []
         for rank in range(world_size):
-            step_time, samples, compute, allreduce, global_step, overhead, units = summed[
+            step_time, samples, compute, allreduce, global_step, overhead, units, jitter = summed[
                 rank * _ROW : (rank + 1) * _ROW
             ]
             rows.append(
-                RankReport(step_time, round(samples), compute, allreduce, round(global_step), overhead, round(units))
+                RankReport(
+                    step_time, round(samples), compute, allreduce, round(global_step), overhead, round(units), jitter
+                )
             )
         g = cls.weight_index(world_size)
         stop, sigterm, requeue = (summed[g + i] > 0.0 for i in range(1, 1 + len(_FLAGS)))

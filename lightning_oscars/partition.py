@@ -34,6 +34,7 @@ from typing import Any
 __all__ = [
     "EpochPlan",
     "deadline_epoch_slots",
+    "deadline_round_fits",
     "Round",
     "max_epoch_slots",
     "plan_rounds",
@@ -152,7 +153,7 @@ class Round:
         return [first, *range(rest, rest + self.quotas[rank] - 1)]
 
 
-def _deadline_round_fits(reserve: Sequence[int], remaining_units: int, remaining_slots: int) -> bool:
+def deadline_round_fits(reserve: Sequence[int], remaining_units: int, remaining_slots: int) -> bool:
     """Whether a deadline round reserving ``reserve`` may start: after it at least one unit per rank is left (the
     next round's first units, fetched before this round is settled, must not be ones it hands back), and even if
     every rank trained only its first unit the rest still fits in the slots after it (a rank trains at most one
@@ -171,13 +172,13 @@ def plan_rounds(
     reserve: Sequence[int] | None = None,
 ) -> list[Round]:
     """The rounds from ``start_slot`` to ``total_slots`` if every round follows ``local_steps``. With ``reserve``
-    (per-rank reservations of deadline rounds), rounds are deadline rounds while :func:`_deadline_round_fits`, laid
+    (per-rank reservations of deadline rounds), rounds are deadline rounds while :func:`deadline_round_fits`, laid
     out as if every reservation were trained (settling re-plans), and plain rounds after."""
     steps = tuple(local_steps)
     rounds: list[Round] = []
     slot, unit = start_slot, first_unit
     while slot < total_slots:
-        if reserve is not None and _deadline_round_fits(reserve, total_units - unit, total_slots - slot):
+        if reserve is not None and deadline_round_fits(reserve, total_units - unit, total_slots - slot):
             rounds.append(Round(slot, max(reserve), tuple(reserve), unit, deadline=True))
             slot += max(reserve)
             unit += sum(reserve)
@@ -202,12 +203,12 @@ def planned_slots(local_steps: Sequence[int], total_units: int) -> int:
     return slots
 
 
-def deadline_epoch_slots(local_steps: Sequence[int], reserve: Sequence[int], total_units: int) -> int:
-    """Slots of an epoch of deadline rounds, sized for rounds that train ``local_steps`` (what the schedule expects)
-    in ``max(reserve)`` slots. Ranks usually train more (each steps until the deadline), so the epoch ends early
-    and is cut then; a shortfall is caught up by the plain rounds at the epoch's end."""
-    per_round = sum(local_steps)
-    return -(-total_units // per_round) * max(reserve) + max(local_steps)
+def deadline_epoch_slots(units_per_round: float, length: int, total_units: int) -> int:
+    """Slots of an epoch of deadline rounds of ``length`` slots that train ``units_per_round`` units each, as
+    expected, sized 5% pessimistically: the epoch is cut at its end when the units run out sooner, and a shortfall
+    is caught up by the plain rounds the epoch ends with."""
+    per_round = max(1.0, 0.95 * units_per_round)
+    return math.ceil(total_units / per_round) * length + length
 
 
 def max_epoch_slots(total_units: int, world_size: int, most_steps: int, last_round: int) -> int:
@@ -282,14 +283,14 @@ class EpochPlan:
         local_steps: Sequence[int],
         shrink: bool = False,
         reserve: Sequence[int] | None = None,
-        bound: int | None = None,
+        units_per_round: float = 0.0,
     ) -> None:
         """Re-plan every round from ``start_slot`` (which must start a round) with new local steps.
 
         With ``shrink``, an epoch sized as an upper bound (speeds unknown) is cut to the slots the new local
         steps need for the units left; otherwise ``total_slots`` is kept and spare slots become no-ops. With
-        ``reserve``, deadline rounds; the epoch is sized by :func:`deadline_epoch_slots` (within ``bound``) when
-        ``shrink``, and cut to its exact end once only plain rounds are left.
+        ``reserve``, deadline rounds expected to train ``units_per_round``; the epoch is sized by
+        :func:`deadline_epoch_slots` when ``shrink``, and cut to its exact end once only plain rounds are left.
         """
         index = bisect.bisect_left(self._starts, start_slot)
         if index == len(self._starts) or self._starts[index] != start_slot:
@@ -299,8 +300,8 @@ class EpochPlan:
         first_unit = before.first_unit + sum(before.quotas) if before else self._rounds[0].first_unit
         left = self.total_units - first_unit
         if shrink and reserve is not None:
-            needed = start_slot + deadline_epoch_slots(local_steps, reserve, left)
-            self.total_slots = max(start_slot, min(bound or self.total_slots, needed))
+            needed = start_slot + deadline_epoch_slots(units_per_round or sum(local_steps), max(reserve), left)
+            self.total_slots = max(start_slot, min(self.total_slots, needed))
         elif shrink:
             needed = start_slot + planned_slots(local_steps, left)
             self.total_slots = max(start_slot, min(self.total_slots, needed))

@@ -14,6 +14,7 @@ requeue) and the history. The strategy drives it:
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -22,17 +23,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_oscars.control import Contribution, ControlData, RankReport, RoundRecord
-from lightning_oscars.deadline import DeadlinePacer, reservations
+from lightning_oscars.deadline import DeadlinePacer, DeadlineRound, plan_deadline, quantile_step
 from lightning_oscars.loader import SlotInfo
-from lightning_oscars.partition import EpochPlan, deadline_epoch_slots
+from lightning_oscars.partition import EpochPlan, Round, deadline_epoch_slots, deadline_round_fits
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.timing import LapClock, StepTimeEstimator, WallClock
+
+# Weight of the newest round in the moving average of every rank's step jitter (deadline rounds).
+JITTER_SMOOTHING = 0.3
+# A MAD of log step times, divided by this, estimates the log-spread (sigma) of lognormal steps.
+_MAD_TO_SIGMA = 0.6745
 
 # Rounds whose measured fixed cost the solver's price is the median of: epoch ends, checkpoint writes and the
 # first round after validation cost more than a plain round, and must not re-solve the schedule each time.
 COST_WINDOW = 9
 
 __all__ = ["RoundController", "RoundOutcome"]
+
+
+def _needs_other_deadline(plan: EpochPlan, rnd: Round, reserve: tuple[int, ...]) -> bool:
+    """Whether the upcoming round ``rnd`` differs from the deadline round ``reserve`` asks for (a plain round where
+    one would fit: planned before the first deadline was known)."""
+    if rnd.deadline:
+        return rnd.quotas != reserve
+    return deadline_round_fits(reserve, plan.total_units - rnd.first_unit, plan.total_slots - rnd.start_slot)
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,9 @@ class RoundController:
         self._replan_pending = False
         self._stop = self._sigterm = self._requeue = False
         self._round_units = 0  # units this rank trained in the current round (across extra averagings)
+        self.jitter = [0.0] * world_size  # every rank's smoothed step log-spread, agreed (deadline rounds)
+        self.deadline_round: DeadlineRound | None = None
+        self._deadline_key: tuple | None = None
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -137,10 +154,35 @@ class RoundController:
     def local_steps(self) -> tuple[int, ...]:
         return self.policy.local_steps
 
+    def _update_deadline(self) -> DeadlineRound | None:
+        """The deadline rounds' parameters (``None``: plain rounds), re-planned when the schedule, a step time (by
+        5%) or a jitter (by 0.02) moved: every rank has the same figures, so every rank re-plans at the same round."""
+        times = self.policy.estimate
+        if self.pacer is None or not self.policy.solved or not times or min(times) <= 0.0:
+            return None
+        key = (
+            self.local_steps,
+            tuple(round(math.log(t) / 0.05) for t in times),
+            tuple(round(s / 0.02) for s in self.jitter),
+        )
+        if key != self._deadline_key:
+            self._deadline_key = key
+            self.deadline_round = plan_deadline(
+                times, self.jitter, self.local_steps, self.allreduce_cost, self.policy.max_local_steps
+            )
+        return self.deadline_round
+
     @property
     def reserve(self) -> tuple[int, ...] | None:
         """Each rank's reservation in a deadline round, or ``None`` while rounds are plain (no schedule yet)."""
-        return reservations(self.local_steps) if self.pacer is not None and self.policy.solved else None
+        deadline = self._update_deadline()
+        return deadline.reserve if deadline is not None else None
+
+    def _deadline_slots(self, total_units: int) -> int | None:
+        deadline = self._update_deadline()
+        if deadline is None:
+            return None
+        return deadline_epoch_slots(deadline.expected_units, max(deadline.reserve), total_units)
 
     def epoch_slot_bound(self, total_units: int) -> int:
         """The loader's length: the most slots an epoch can take. Deadline rounds last their largest reservation,
@@ -148,10 +190,8 @@ class RoundController:
         bound = self.policy.epoch_slot_bound(total_units)
         if self.pacer is None:
             return bound
-        reserve = self.reserve
-        if reserve is not None and not self.policy.resolve:  # pinned: the schedule, so the length, is known
-            return deadline_epoch_slots(self.local_steps, reserve, total_units)
-        return 2 * bound
+        known = self._deadline_slots(total_units) if not self.policy.resolve else None
+        return known if known is not None else 3 * bound
 
     def plan_epoch(self, epoch: int, total_units: int, bound: int) -> EpochPlan:
         """The plan of ``epoch`` over ``total_units`` units in at most ``bound`` slots (the loader's length). A
@@ -159,10 +199,10 @@ class RoundController:
         plan = self.plan
         if plan is None or self.planned_epoch != epoch or plan.total_units != total_units:
             total_slots, self._upper_bound = self.policy.epoch_slots(total_units, bound)
-            reserve = self.reserve
-            if reserve is not None:
-                total_slots = min(bound, deadline_epoch_slots(self.local_steps, reserve, total_units))
-            plan = self.plan = EpochPlan(self.world_size, total_units, total_slots, self.local_steps, reserve)
+            deadline_slots = self._deadline_slots(total_units)
+            if deadline_slots is not None:
+                total_slots = min(bound, deadline_slots)
+            plan = self.plan = EpochPlan(self.world_size, total_units, total_slots, self.local_steps, self.reserve)
             self.planned_epoch = epoch
             self._round_units = 0
         self._replan_pending = False
@@ -238,6 +278,11 @@ class RoundController:
             self._medians.add(seconds)
         median = (self._medians.end_round() or 0.0) if self._medians.pending else 0.0
         compute = sum(per_slot.values())
+        # The spread of this round's steps around the rank's long-run median (a round holds too few for quartiles).
+        reference = self.policy.estimate[self.rank] if self.policy.estimate else 0.0
+        reference = reference if reference > 0.0 else median
+        logs = [abs(math.log(s / reference)) for s in per_slot.values() if s > 0.0 and reference > 0.0]
+        jitter = statistics.median(logs) / _MAD_TO_SIGMA if self.pacer is not None and len(logs) >= 2 else 0.0
         report = RankReport(
             median,
             self._round_samples,
@@ -246,6 +291,7 @@ class RoundController:
             global_step,
             self._last_overhead,
             self._round_units,
+            jitter,
         )
         weight = float(self._round_samples) if self.weighted else 1.0
         return Contribution(self.rank, report, weight, self._stop or stop, self._sigterm, self._requeue)
@@ -273,6 +319,10 @@ class RoundController:
         # Until a whole round has been measured it is unknown (0): the first schedule is solved as if averaging were
         # free and re-solved once, when the cost becomes known.
         self.allreduce_cost = statistics.median(self._costs) if self._costs else 0.0
+        for rank, report in enumerate(summed.ranks):
+            if report.jitter > 0.0:
+                old = self.jitter[rank]
+                self.jitter[rank] = report.jitter if old <= 0.0 else old + JITTER_SMOOTHING * (report.jitter - old)
         now = self._now()
         if self._round_started is not None:
             self._last_overhead = max(0.0, now - self._round_started - summed.ranks[self.rank].compute)
@@ -296,10 +346,10 @@ class RoundController:
         resized = self._replan(rebalanced, next_round, tuple(r.units for r in summed.ranks))
         if next_round is not None:
             self._round_units = 0
-            if self.pacer is not None and self.policy.solved:
-                # The round's deadline: the schedule's period at the current estimates.
-                times = self.policy.estimate
-                self.pacer.start_round(max(tau * t for tau, t in zip(self.local_steps, times)), times[self.rank])
+            deadline = self.deadline_round if self.pacer is not None else None
+            if self.pacer is not None and deadline is not None:
+                step = self.policy.estimate[self.rank]
+                self.pacer.start_round(deadline.deadline_s, step, quantile_step(step, self.jitter[self.rank]))
         self._stop = False
         if summed.requeue:
             self._requeue = False
@@ -321,11 +371,18 @@ class RoundController:
             ended = plan.round_at(next_round - 1)
             if ended.deadline and plan.settle(ended.start_slot, trained):
                 self._replan_pending = True
-        if not self._replan_pending or next_round >= plan.total_slots:
+        if next_round >= plan.total_slots:
+            return False
+        reserve = self.reserve
+        upcoming = plan.round_at(next_round)
+        if reserve is not None and _needs_other_deadline(plan, upcoming, reserve):
+            self._replan_pending = True  # deadline rounds start, or their reservations changed
+        if not self._replan_pending:
             return False
         # The first epoch was sized as an upper bound while speeds were unknown: cut it to what is needed.
         slots = plan.total_slots
-        plan.replan(next_round, self.local_steps, shrink=self._upper_bound, reserve=self.reserve)
+        expected = self.deadline_round.expected_units if self.deadline_round is not None else 0.0
+        plan.replan(next_round, self.local_steps, self._upper_bound, reserve, expected)
         self._replan_pending = False
         self._upper_bound = False
         return plan.total_slots != slots

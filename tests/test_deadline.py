@@ -3,6 +3,7 @@ loaders and round controllers driven slot by slot on simulated clocks, with Ligh
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -11,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oscars import RoundController, SchedulePolicy
 from lightning_oscars.control import ControlData
-from lightning_oscars.deadline import DeadlinePacer, reservations
+from lightning_oscars.deadline import DeadlinePacer, plan_deadline, quantile_step, reservations
 from lightning_oscars.loader import LoadBalancedLoader
 from lightning_oscars.partition import EpochPlan, deadline_epoch_slots
 
@@ -24,10 +25,12 @@ class Time:
         return self.now
 
 
-def test_reservations_add_a_quarter_and_at_least_one():
-    assert reservations((1, 3, 4, 8, 16)) == (2, 4, 5, 10, 20)
-    with pytest.raises(ValueError, match=">= 1"):
-        reservations((0, 2))
+def test_reservations_last_until_the_deadline_with_fast_steps():
+    # 1 s at 0.1 s and 0.3 s per step: 11 and 4 steps if 10% fast, plus one; never fewer than the local steps + 1.
+    assert reservations(1.0, (0.1, 0.3), (9, 3)) == (12, 5)
+    assert reservations(1.0, (0.1, 0.3), (9, 5)) == (12, 6)
+    with pytest.raises(ValueError):
+        reservations(1.0, (0.1, 0.0), (9, 3))
 
 
 def test_pacer_spreads_the_steps_that_fit_and_stops_at_the_deadline():
@@ -44,7 +47,7 @@ def test_pacer_spreads_the_steps_that_fit_and_stops_at_the_deadline():
     assert due[4:] != [False] * 4, "the steps are spread over the round, not packed at its start"
     assert clock.now == pytest.approx(1.0)
     # A rank that is running late takes fewer; one that is fast takes more, up to its reservation.
-    for step, expected in ((0.35, 3), (0.45, 2), (0.1, 6)):
+    for step, expected in ((0.3, 3), (0.35, 2), (0.1, 6)):
         clock.now = 0.0
         pacer.start_round(1.0, step)
         taken = 0
@@ -60,7 +63,9 @@ def test_pacer_counts_the_fetched_step_and_moves_its_deadline_past_validation():
     pacer = DeadlinePacer(clock)
     pacer.start_round(1.0, 0.5)
     assert pacer.is_due(0, 2, 0, 2, pending=0)  # the first slot always trains
-    assert not pacer.is_due(1, 2, 1, 2, pending=1) or clock.now < 0.25  # 0.5 fetched + 0.5 fits exactly
+    assert pacer.is_due(1, 2, 1, 2, pending=1)  # the fetched step's 0.5 s and this one's 0.5 s fit exactly
+    pacer.start_round(1.0, 0.5, quantile_s=0.6)
+    assert not pacer.is_due(1, 2, 1, 2, pending=1), "a slow case of the next step would overrun the deadline"
     clock.now = 0.9
     assert not pacer.is_due(1, 4, 1, 3, pending=0)
     pacer.shift(2.0)  # validation ran for 2 s: the deadline moved with it
@@ -73,9 +78,9 @@ def test_pacer_counts_the_fetched_step_and_moves_its_deadline_past_validation():
 def test_settling_hands_back_what_was_not_reached_and_keeps_every_unit_once():
     rng = random.Random(0)
     steps, world = (6, 2), 2
-    reserve = reservations(steps)
+    reserve = reservations(0.6, (0.1, 0.3), steps)
     total = 200
-    plan = EpochPlan(world, total, deadline_epoch_slots(steps, reserve, total), steps, reserve)
+    plan = EpochPlan(world, total, deadline_epoch_slots(sum(steps), max(reserve), total), steps, reserve)
     assert plan.rounds[0].deadline and plan.rounds[0].length == max(reserve)
     trained: list[int] = []
     slot = 0
@@ -107,7 +112,7 @@ def test_settling_hands_back_what_was_not_reached_and_keeps_every_unit_once():
 
 
 def test_settle_rejects_counts_beyond_the_reservation():
-    plan = EpochPlan(2, 100, 60, (3, 1), reservations((3, 1)))
+    plan = EpochPlan(2, 100, 60, (3, 1), (4, 2))
     with pytest.raises(ValueError, match="within the reservations"):
         plan.settle(0, (9, 1))
     plan.settle(0, (3, 1))
@@ -208,3 +213,22 @@ def test_two_ranks_train_every_sample_once_and_wait_less_than_with_fixed_steps()
         assert all(sorted(epoch) == list(range(480)) for epoch in fixed_seen)
         fixed += seconds
     assert deadline < 0.98 * fixed, (deadline, fixed)
+
+
+def test_the_deadline_is_the_period_without_jitter_and_longer_with_it():
+    times, tau = [0.1, 0.25, 0.5], [15, 6, 3]
+    calm = plan_deadline(times, [0.0, 0.0, 0.0], tau, 0.02, max_local_steps=32)
+    assert calm.deadline_s == pytest.approx(1.5) and calm.expected_units == pytest.approx(24)
+    jittery = plan_deadline(times * 64, [0.15] * 192, tau * 64, 0.02, max_local_steps=32)
+    assert jittery == plan_deadline(times * 64, [0.15] * 192, tau * 64, 0.02, 32), "every rank computes the same"
+    # With 192 jittery ranks a round at the bare period would end on somebody's overrun: a longer one pays, up to
+    # max_local_steps steps of the fastest rank.
+    assert 1.5 < jittery.deadline_s <= 3.2
+    assert jittery.reserve[:3] == reservations(jittery.deadline_s, times, tau)
+    with pytest.raises(ValueError, match="one entry per rank"):
+        plan_deadline(times, [0.1], tau, 0.0, 16)
+
+
+def test_a_slow_case_of_the_step_is_its_upper_quantile():
+    assert quantile_step(0.1, 0.0) == 0.1
+    assert quantile_step(0.1, 0.2) == pytest.approx(0.1 * math.exp(1.2815515655446004 * 0.2))

@@ -15,6 +15,10 @@ as the shortest deadline whose simulated throughput is within ``tolerance`` of t
 ``max_local_steps`` fast steps. Both modes are shown at two caps on a round (16 and 32 fast steps): longer
 rounds shrink the relative jitter of the fixed schedule too (``sigma / sqrt(tau)``).
 
+The ``oscars deadline`` column is the strategy's own rule (``deadline_rounds=True``, ``lightning_oscars.deadline``):
+the deadline from ``plan_deadline`` on the ranks' median step times and jitters (the figures the strategy
+measures), the 0.9 quantile rule, and steps capped by the strategy's reservations.
+
 Model: steady rounds only (no epochs, no validation, no warm-up: those cost the same in both modes), the
 ranks' mean step times known (the strategy's smoothed estimates), the all-reduce a constant. The fixed schedule
 is the strategy's own exact solver (``solve_schedule``) on the mean times. Fraction of ideal as everywhere:
@@ -28,12 +32,15 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from benchmarks.simulator.cluster import lognormal
 from benchmarks.tables import markdown_table
+from lightning_oscars.deadline import deadline_steps as oscars_steps
+from lightning_oscars.deadline import plan_deadline, quantile_step
 from lightning_oscars.solver import solve_schedule
 
-__all__ = ["deadline_fraction", "fixed_tau_fraction", "jitter_study", "scale_cluster"]
+__all__ = ["deadline_fraction", "fixed_tau_fraction", "jitter_study", "oscars_deadline_fraction", "scale_cluster"]
 
 
 def scale_cluster(n: int = 1024, base_s: float = 0.1) -> np.ndarray:
@@ -96,6 +103,34 @@ def deadline_fraction(
     return steps_total / wall / np.sum(1.0 / times)
 
 
+def oscars_deadline_fraction(
+    times: np.ndarray,
+    tau: np.ndarray,
+    sigma: float,
+    allreduce_s: float,
+    max_local_steps: int,
+    rounds: int,
+    rng: np.random.Generator,
+) -> tuple[float, float]:
+    """Steady-state fraction of ideal of the strategy's deadline rounds, and the deadline it chose."""
+    medians = times * np.exp(-0.5 * sigma * sigma)  # what a rank measures: the median of its mean-t steps
+    n = len(times)
+    plan = plan_deadline(medians.tolist(), [sigma] * n, tau.tolist(), allreduce_s, max_local_steps)
+    deadline = plan.deadline_s
+    reserve = np.asarray(plan.reserve)
+    width = int(reserve.max())
+    quantile_s = torch.tensor([quantile_step(float(t), sigma) for t in medians], dtype=torch.float64)
+    steps_total, wall = 0.0, 0.0
+    for _ in range(rounds):
+        draws = times[:, None] * lognormal(rng, (n, width), sigma)
+        draws[np.arange(width)[None, :] >= reserve[:, None]] = np.inf
+        taken = oscars_steps(torch.from_numpy(draws), quantile_s, deadline).numpy()
+        ends = np.cumsum(np.where(np.isfinite(draws), draws, 0.0), axis=1)
+        steps_total += taken.sum()
+        wall += ends[np.arange(n), taken - 1].max() + allreduce_s
+    return steps_total / wall / np.sum(1.0 / times), deadline
+
+
 def best_deadline(
     times: np.ndarray, sigma: float, allreduce_s: float, max_local_steps: int, tolerance: float, seed: int
 ) -> float:
@@ -133,6 +168,9 @@ def jitter_study(
             fixed = fixed_tau_fraction(times, tau, sigma, allreduce_s, rounds, np.random.default_rng(seed))
             deadline = best_deadline(times, sigma, allreduce_s, cap, tolerance, seed + 1)
             dead = deadline_fraction(times, deadline, sigma, allreduce_s, rounds, np.random.default_rng(seed))
+            oscars, oscars_d = oscars_deadline_fraction(
+                times, tau, sigma, allreduce_s, cap, rounds, np.random.default_rng(seed)
+            )
             rows.append(
                 {
                     "ranks": n,
@@ -143,6 +181,8 @@ def jitter_study(
                     "fixed_fraction": fixed,
                     "deadline_s": deadline,
                     "deadline_fraction": dead,
+                    "oscars_deadline_s": oscars_d,
+                    "oscars_deadline_fraction": oscars,
                 }
             )
     return rows
@@ -167,16 +207,18 @@ def main() -> None:
             f"{r['fixed_fraction']:.3f}",
             f"{r['deadline_s']:.2f}",
             f"{r['deadline_fraction']:.3f}",
+            f"{r['oscars_deadline_s']:.2f}",
+            f"{r['oscars_deadline_fraction']:.3f}",
         ]
         for r in rows
     ]
     headers = ["ranks", "max local steps", "sigma", "fixed tau (1x/0.4x/0.2x)", "fixed: of ideal", "deadline s"]
-    headers.append("deadline: of ideal")
+    headers += ["deadline: of ideal", "oscars deadline s", "oscars deadline: of ideal"]
     lines = [
         f"Steady-state rounds, {a.ranks} ranks (47.5% 1x, 47.5% 0.4x, 5% 0.2x; 1x step 0.1 s), all-reduce 0.2 fast"
         f" steps, lognormal per-step jitter sigma, {a.rounds} rounds, quantile 0.9.",
         "",
-        *markdown_table(headers, table, "rrrlrrr"),
+        *markdown_table(headers, table, "rrrlrrrrr"),
     ]
     (out / "jitter.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
