@@ -45,6 +45,9 @@ CONFIGS = {
     "oscars-alg1-uniform": ["--strategy", "oscars", "--solver", "alg1", "--averaging", "uniform"],
     "oscars-alg1-samples": ["--strategy", "oscars", "--solver", "alg1", "--averaging", "samples"],
     "local_sgd-matched": ["--strategy", "oscars", "--solver", "uniform"],  # + max_local_steps, see matched_args
+    # the levers, each on top of oscars-exact-uniform
+    "oscars-deadline": ["--strategy", "oscars", "--option", "deadline_rounds=true"],
+    "oscars-diloco": ["--strategy", "oscars", "--option", "outer_lr=0.7"],
 }
 PROFILES = {
     "homogeneous": "",
@@ -232,7 +235,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--epochs", type=int, default=None, help="default: 4 (cpu), 2 (gpu-like)")
     p.add_argument("--profiles", default="1x/2x,1x/3x,1x/5x,volatile,homogeneous")
-    p.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "local_sgd-matched"))
+    levers = ("local_sgd-matched", "oscars-deadline", "oscars-diloco")
+    p.add_argument("--configs", default=",".join(c for c in CONFIGS if c not in levers))
+    p.add_argument("--jitter", type=float, default=0.0, help="lognormal log-spread of every rank's step times")
     p.add_argument("--option", action="append", default=[], help="extra OscarsStrategy option (key=JSON) for oscars")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="heterogeneous")
@@ -247,7 +252,7 @@ def main() -> None:
         for i in range(a.repeats):
             last_oscars = None
             for name in names:  # interleaved, so drifts of the machine hit every configuration alike
-                args = CONFIGS[name] + regime["args"]
+                args = CONFIGS[name] + regime["args"] + (["--jitter", str(a.jitter)] if a.jitter else [])
                 if name == "local_sgd-matched":
                     if last_oscars is None:
                         raise SystemExit("local_sgd-matched must follow an oscars config in --configs")
@@ -270,6 +275,7 @@ def main() -> None:
         "regime": a.regime,
         "regime_args": regime["args"],
         "oscars_options": a.option,
+        "jitter": a.jitter,
         "repeats": a.repeats,
         "epochs": epochs,
         "ranks": {k: ranks_of(PROFILES[k]) for k in results},
@@ -279,7 +285,7 @@ def main() -> None:
     setup = " ".join(regime["args"]) or "16,384 samples, real compute only"
     lines = [
         f"Regime `{a.regime}` ({setup}), {epochs} epochs, CPU ranks, {a.repeats} repeats (medians), interleaved.",
-        f"oscars options: {' '.join(a.option) or 'defaults'}.",
+        f"oscars options: {' '.join(a.option) or 'defaults'}; per-step jitter (lognormal sigma): {a.jitter}.",
         "",
     ]
     for profile, summary in results.items():

@@ -19,6 +19,8 @@ strategy faces the same cluster: one GPU ``k`` times slower on the same network.
 from __future__ import annotations
 
 import copy
+import math
+import random
 import time
 
 import torch
@@ -62,6 +64,7 @@ class BenchModule(LightningModule):
         noise: float = 1.6,
         slowdown: str = "",
         step_ms: float = 0.0,
+        jitter: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -78,6 +81,8 @@ class BenchModule(LightningModule):
         self.val_curve: list[tuple[float, float, float]] = []
         self.solo_step_s = 0.0  # this rank's device time per step (compute + step_ms), before any emulated slowdown
         self.sleep_s = step_ms / 1e3
+        self.jitter = jitter  # lognormal log-spread of every step's device time (a noisy shared node)
+        self._jitter_rng: random.Random | None = None
         self.real_steps = 0
         self.busy_s = 0.0  # emulated compute time: sum over real steps of factor * solo_step_s
         self.start_factor = 1.0
@@ -114,6 +119,7 @@ class BenchModule(LightningModule):
     def on_train_start(self) -> None:
         self.solo_step_s = self._calibrate() + self.sleep_s
         self.start_factor = self._factor_at(0.0)
+        self._jitter_rng = random.Random(1000 + self.global_rank)
         self._t0 = time.perf_counter()
 
     def training_step(self, batch, batch_idx):
@@ -121,6 +127,9 @@ class BenchModule(LightningModule):
         factor = self._factor_at(self.train_clock())
         loss = nn.functional.cross_entropy(self(x), y)
         delay = self.sleep_s + (factor - 1.0) * self.solo_step_s
+        if self.jitter > 0.0 and self._jitter_rng is not None:  # mean-preserving noise on the whole step
+            noise = math.exp(self._jitter_rng.gauss(0.0, self.jitter) - 0.5 * self.jitter**2)
+            delay = max(0.0, delay + (noise - 1.0) * factor * self.solo_step_s)
         if delay > 0.0:
             time.sleep(delay)
         self.real_steps += 1

@@ -58,6 +58,7 @@ def main() -> None:
     p.add_argument("--val-check-interval", type=float, default=0.25)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--step-ms", type=float, default=0.0, help="GPU-like regime: sleep this long in every step")
+    p.add_argument("--jitter", type=float, default=0.0, help="lognormal log-spread of every step's time")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--n-train", type=int, default=16384)
     p.add_argument("--option", action="append", default=[], help="OscarsStrategy option as key=JSON value")
@@ -65,7 +66,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     L.seed_everything(0, verbose=False)
-    model = BenchModule(slowdown=a.slowdown, step_ms=a.step_ms, hidden=a.hidden, n_train=a.n_train)
+    model = BenchModule(slowdown=a.slowdown, step_ms=a.step_ms, hidden=a.hidden, n_train=a.n_train, jitter=a.jitter)
     options = {"solver": a.solver, "averaging": a.averaging, **strategy_options(a.option)}
     strategy = OscarsStrategy(**options) if a.strategy == "oscars" else a.strategy
     trainer = L.Trainer(

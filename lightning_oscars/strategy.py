@@ -65,9 +65,8 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             the times the schedule was solved for.
         min_gain: adopt a re-solved schedule only if it is predicted to be this fraction faster (hysteresis).
         smoothing: weight of the newest round in the step-time moving average.
-        deadline_rounds: each rank trains while its next step fits before the round's deadline (the schedule's
-            period) instead of exactly its local steps, and hands back the data it did not reach: per-step jitter
-            then costs nobody a wait (see ``lightning_oscars.deadline``). Off by default.
+        deadline_rounds: rounds of a length in seconds: each rank trains while its next step fits and hands back
+            the data it did not reach, so per-step jitter costs nobody a wait (``lightning_oscars.deadline``).
         step_times: pin every rank's seconds per step (no profiling, one solve, reproducible).
         local_steps: pin every rank's local steps per round (no profiling, no solving).
         seed: seed of the per-epoch shuffle of the training data; by default the seed of the sampler Lightning
@@ -81,15 +80,10 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             rank that dies or raises is reported at once. Raise it if saving a checkpoint can take longer.
         start_method: how Lightning starts the ranks (as for ``ddp``): ``"popen"`` re-runs the script.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default NCCL on CUDA, gloo otherwise.
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer (torchrun, SLURM, ... are detected).
-        checkpoint_io: set by the Trainer.
-        precision_plugin: set by the Trainer.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
 
-    Options of the ``DistributedDataParallel`` wrapper (``find_unused_parameters``, ``static_graph``,
-    ``bucket_cap_mb``, ...) are accepted so that a ddp call site keeps working, and ignored with a warning:
-    oscars does not wrap the model. DDP gradient hooks (``ddp_comm_hook`` and friends) are an error.
+    Options of the ``DistributedDataParallel`` wrapper (``find_unused_parameters``, ``bucket_cap_mb``, ...) are
+    accepted and ignored with a warning: oscars does not wrap the model. DDP gradient hooks are an error.
     """
 
     strategy_name = "oscars"
@@ -157,7 +151,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             outer_momentum=outer_momentum,
         )
         scheme = self.make_scheme()
-        self.driver = RoundDriver(self, scheme, RoundController(scheme.policy, 1, 0), torch.device("cpu"))
+        self.driver = RoundDriver(self, scheme, self.make_rounds(scheme, 1, 0), torch.device("cpu"))
         self._noop_batch: Any = None
         self._in_local_step = False
         self._restored: dict[str, Any] | None = None
@@ -251,14 +245,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         scheme = self.make_scheme()
         if isinstance(scheme, ModelAveraging):
             scheme.device = self.root_device
-        rounds = RoundController(
-            scheme.policy,
-            self.world_size,
-            self.global_rank,
-            weighted=self.averaging == "samples",
-            deadline=self.deadline_rounds,
-            clock=make_clock(self.root_device),
-        )
+        rounds = self.make_rounds(scheme, self.world_size, self.global_rank, make_clock(self.root_device))
         rounds.begin_fit(trainer.max_steps)
         self.driver.close()  # a previous fit on this Trainer, if any
         self.driver = RoundDriver(self, scheme, rounds, self.root_device)

@@ -7,7 +7,9 @@ from typing import Any
 
 from lightning_oscars.outer import OuterNesterovAveraging
 from lightning_oscars.policy import SchedulePolicy, Solver
+from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import ModelAveraging, SyncScheme
+from lightning_oscars.timing import LapClock
 
 __all__ = ["OscarsOptions", "check_ddp_wrapper_options"]
 
@@ -98,6 +100,19 @@ class OscarsOptions:
         if self.outer_lr is None:
             return ModelAveraging(self.make_policy())
         return OuterNesterovAveraging(self.make_policy(), self.outer_lr, self.outer_momentum)
+
+    def make_rounds(
+        self, scheme: SyncScheme, world_size: int, rank: int, clock: LapClock | None = None
+    ) -> RoundController:
+        """The round controller of one fit with ``scheme``: sample weighting and deadline rounds as configured."""
+        return RoundController(
+            scheme.policy,
+            world_size,
+            rank,
+            weighted=self.averaging == "samples",
+            deadline=self.deadline_rounds,
+            clock=clock,
+        )
 
     def make_policy(self) -> SchedulePolicy:
         """A fresh schedule policy for one fit."""
