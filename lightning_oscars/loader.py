@@ -357,8 +357,11 @@ class _EpochIterator:
             batch = self._deadline_batch(self.position, rnd)
         else:
             batch = self._batch_at(self.position)
-            # Counted in plain rounds too: a round's first slot is fetched before a re-plan may make it a deadline one.
-            self._taken += int(batch is not None and self.position % owner.batches_per_slot == 0)
+            if self.position % owner.batches_per_slot == 0:
+                # Kept in plain rounds too: a round's first slot is fetched before a re-plan may make it a deadline
+                # round, whose other batches of that slot then follow this decision.
+                self._taken += int(batch is not None)
+                self._slot_unit = None if batch is None else batch // owner.batches_per_slot
         if batch is None:
             if self.last_batch is None:
                 # Only when resuming into a no-op slot: Lightning skips a None batch entirely (no step, no

@@ -138,19 +138,22 @@ class SimClock:
         return laps
 
 
-def simulate(deadline: bool, epochs: int = 3, sigma: float = 0.3, seed: int = 0) -> tuple[list[list[int]], float, list]:
+def simulate(
+    deadline: bool, epochs: int = 3, sigma: float = 0.3, seed: int = 0, accumulate: int = 1, **loader_kwargs
+) -> tuple[list[list[int]], float, list]:
     """Two ranks (0.01 s and 0.03 s per step, lognormal jitter ``sigma``) train ``epochs`` epochs of 480 samples:
     Lightning's loop reduced to its order of calls (fetch one batch ahead, take the slot, step, end the slot, average
-    at round ends). Returns the samples trained per epoch (both ranks), the simulated seconds and the history."""
+    at round ends), ``accumulate`` batches per optimizer step. Returns the samples trained per epoch (both ranks),
+    the simulated seconds and the history."""
     rng = random.Random(seed)
-    data = DataLoader(TensorDataset(torch.arange(480)), batch_size=4, shuffle=True)
+    data = DataLoader(TensorDataset(torch.arange(480)), batch_size=4, shuffle=True, **loader_kwargs)
     times = [Time(), Time()]
     ranks = []
     for rank in range(2):
         policy = SchedulePolicy(warmup_steps=2, max_local_steps=8)
         controller = RoundController(policy, 2, rank, deadline=deadline, clock=SimClock(times[rank]), now=times[rank])
         controller.begin_fit()
-        loader = LoadBalancedLoader(data, rank, 2, shuffle=True, seed=1)
+        loader = LoadBalancedLoader(data, rank, 2, shuffle=True, seed=1, batches_per_slot=accumulate)
         loader.pacer = controller.pacer
         loader.max_slots = controller.epoch_slot_bound(loader.total_units)
         ranks.append((controller, loader))
@@ -163,7 +166,7 @@ def simulate(deadline: bool, epochs: int = 3, sigma: float = 0.3, seed: int = 0)
             iterators.append(iter(loader))
             pending.append([next(iterators[-1])])  # Lightning fetches one batch ahead
         seen.append([])
-        while batch < ranks[0][0].plan.total_slots:
+        while batch < ranks[0][0].plan.total_slots * accumulate:
             ends = []
             for rank, (controller, loader) in enumerate(ranks):
                 b = batch
@@ -177,9 +180,10 @@ def simulate(deadline: bool, epochs: int = 3, sigma: float = 0.3, seed: int = 0)
                         times[rank].now += (0.01, 0.03)[rank] * rng.lognormvariate(0.0, sigma)
                     else:
                         times[rank].now += 0.0005
-                    end = controller.end_slot(b, 1, controller.plan.total_slots)
+                    epoch_batches = controller.plan.total_slots * accumulate
+                    end = controller.end_slot(b, accumulate, epoch_batches)
                     b += 1
-                    if end is not None or b >= controller.plan.total_slots:  # a round's or the epoch's end
+                    if end is not None or b >= epoch_batches:  # a round's or the epoch's end
                         break
                 ends.append((end, b))
             assert ends[0] == ends[1], "both ranks end the round at the same slot"
@@ -195,6 +199,18 @@ def simulate(deadline: bool, epochs: int = 3, sigma: float = 0.3, seed: int = 0)
                         for c, _ in ranks]  # fmt: skip
             assert outcomes[0] == outcomes[1]
     return seen, times[0].now, ranks[0][0].history
+
+
+@pytest.mark.parametrize(
+    "accumulate, loader_kwargs",
+    [(3, {}), (1, {"num_workers": 2, "persistent_workers": True}), (2, {"num_workers": 1})],
+    ids=["accumulation", "workers", "accumulation-and-worker"],
+)
+def test_handed_back_data_is_trained_once_with_accumulation_and_workers(accumulate, loader_kwargs):
+    seen, _, history = simulate(True, epochs=2, accumulate=accumulate, **loader_kwargs)
+    for epoch in seen:
+        assert sorted(epoch) == list(range(480)), "every sample exactly once per epoch"
+    assert any(sum(r.samples) != 4 * accumulate * sum(r.local_steps) for r in history[1:]), "data was handed back"
 
 
 def test_two_ranks_train_every_sample_once_and_wait_less_than_with_fixed_steps():

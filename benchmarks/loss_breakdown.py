@@ -1,0 +1,89 @@
+"""Where oscars' time goes: the gap between a run's training wall time and a perfectly balanced cluster's, split
+by kind of round, from the round histories a benchmark run stores.
+
+    python -m benchmarks.loss_breakdown benchmarks/results/gpu_like.json
+
+For every oscars run, the ideal time of its samples is ``samples / ideal samples per second`` (``sum_i batch /
+t_i``, the fraction-of-ideal definition). Each averaging's record gives the round's duration (training time,
+validation excluded) and its samples, so each round's loss is ``duration - samples / ideal rate``. Rounds are:
+
+* ``warm-up``: the first round, equal steps on every rank while speeds are measured;
+* ``cut``: rounds well short of the schedule's (under three quarters of its steps: an averaging before
+  validation, at an epoch end, or a re-planned epoch tail): their imbalance is not the schedule's;
+* ``steady``: full rounds. Their loss splits into the all-reduce (measured per round) and the rest: Lightning's
+  per-round work, waits from per-step jitter and the schedule's rounding;
+* ``after``: training time after the last averaging (the end of fit); slightly negative because the strategy's
+  clock starts a few tens of milliseconds before the benchmark's.
+
+Medians over the repeats of every profile, in seconds and as shares of the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from benchmarks.tables import markdown_table
+
+__all__ = ["breakdown"]
+
+KINDS = ("warm-up", "cut", "steady all-reduce", "steady other", "after")
+
+
+def breakdown(run: dict) -> dict[str, float]:
+    """Seconds lost per kind of round in one run (see the module docstring), plus ``wall`` and ``ideal``."""
+    rate = run["ideal_samples_per_s"]
+    history = run["history"]
+    lost = dict.fromkeys(KINDS, 0.0)
+    previous = 0.0
+    for index, record in enumerate(history):
+        duration = record["time"] - previous
+        previous = record["time"]
+        samples = sum(record["samples"])
+        loss = duration - samples / rate
+        batch = run["samples"] / max(1, sum(run["real_steps"]))
+        # A deadline round trains about, not exactly, the schedule's steps: "cut" means well short of them.
+        full = samples >= 0.75 * batch * sum(record["local_steps"])
+        if index == 0:
+            lost["warm-up"] += loss
+        elif not full:
+            lost["cut"] += loss
+        else:
+            allreduce = min(record["allreduce_time"], loss)
+            lost["steady all-reduce"] += allreduce
+            lost["steady other"] += loss - allreduce
+    lost["after"] = run["train_wall_s"] - previous
+    return {"wall": run["train_wall_s"], "ideal": run["samples"] / rate, **lost}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", help="a benchmarks.heterogeneous JSON file")
+    p.add_argument("--config", default="oscars-exact-uniform")
+    a = p.parse_args()
+    data = json.loads(Path(a.results).read_text())
+    rows = []
+    for profile, result in data["profiles"].items():
+        runs = result["configs"].get(a.config, {}).get("runs") or []
+        parts = [breakdown(r) for r in runs if r.get("history")]
+        if not parts:
+            continue
+        med = {k: statistics.median(part[k] for part in parts) for k in parts[0]}
+        wall = med["wall"]
+        rows.append(
+            [
+                profile,
+                f"{wall:.2f}",
+                f"{med['ideal']:.2f} ({med['ideal'] / wall:.3f})",
+                *(f"{med[k]:.2f} ({med[k] / wall:.1%})" for k in KINDS),
+            ]
+        )
+    headers = ["profile", "wall s", "ideal s (of wall)", *(f"{k} s" for k in KINDS)]
+    print(f"{a.config} in {a.results}: seconds lost against a perfectly balanced cluster (share of the wall time)\n")
+    print("\n".join(markdown_table(headers, rows, "lrr" + "r" * len(KINDS))))
+
+
+if __name__ == "__main__":
+    main()
