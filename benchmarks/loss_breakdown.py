@@ -10,8 +10,9 @@ validation excluded) and its samples, so each round's loss is ``duration - sampl
 * ``warm-up``: the first round, equal steps on every rank while speeds are measured;
 * ``cut``: rounds well short of the schedule's (under three quarters of its steps: an averaging before
   validation, at an epoch end, or a re-planned epoch tail): their imbalance is not the schedule's;
-* ``steady``: full rounds. Their loss splits into the all-reduce (measured per round) and the rest: Lightning's
-  per-round work, waits from per-step jitter and the schedule's rounding;
+* ``steady``: full rounds. Their loss splits into the all-reduce (measured per round), the schedule's rounding
+  (whole steps cannot fill the period exactly: ``max_i tau_i t_i - sum_i tau_i / sum_i 1/t_i`` at the round's
+  step times) and the rest: Lightning's per-round work, no-op slots and waits from per-step jitter;
 * ``after``: training time after the last averaging (the end of fit); slightly negative because the strategy's
   clock starts a few tens of milliseconds before the benchmark's.
 
@@ -29,7 +30,7 @@ from benchmarks.tables import markdown_table
 
 __all__ = ["breakdown"]
 
-KINDS = ("warm-up", "cut", "steady all-reduce", "steady other", "after")
+KINDS = ("warm-up", "cut", "steady all-reduce", "steady rounding", "steady other", "after")
 
 
 def breakdown(run: dict) -> dict[str, float]:
@@ -52,8 +53,13 @@ def breakdown(run: dict) -> dict[str, float]:
             lost["cut"] += loss
         else:
             allreduce = min(record["allreduce_time"], loss)
+            # The schedule's own idle: whole steps cannot fill the period exactly (at the round's step times).
+            tau, times = record["local_steps"], record["step_times"]
+            period = max(k * t for k, t in zip(tau, times))
+            rounding = period - sum(tau) / sum(1.0 / t for t in times)
             lost["steady all-reduce"] += allreduce
-            lost["steady other"] += loss - allreduce
+            lost["steady rounding"] += rounding
+            lost["steady other"] += loss - allreduce - rounding
     lost["after"] = run["train_wall_s"] - previous
     return {"wall": run["train_wall_s"], "ideal": run["samples"] / rate, **lost}
 
