@@ -41,6 +41,13 @@ COST_WINDOW = 9
 __all__ = ["RoundController", "RoundOutcome"]
 
 
+def step_jitter(seconds: list[float], reference: float) -> float:
+    """The log-spread of a round's step times around the rank's long-run median ``reference`` (a MAD: a round holds
+    too few steps for quartiles); 0 with fewer than two steps."""
+    logs = [abs(math.log(s / reference)) for s in seconds if s > 0.0 and reference > 0.0]
+    return statistics.median(logs) / _MAD_TO_SIGMA if len(logs) >= 2 else 0.0
+
+
 def _needs_other_deadline(plan: EpochPlan, rnd: Round, reserve: tuple[int, ...]) -> bool:
     """Whether the upcoming round ``rnd`` differs from the deadline round ``reserve`` asks for (a plain round where
     one would fit: planned before the first deadline was known)."""
@@ -278,11 +285,10 @@ class RoundController:
             self._medians.add(seconds)
         median = (self._medians.end_round() or 0.0) if self._medians.pending else 0.0
         compute = sum(per_slot.values())
-        # The spread of this round's steps around the rank's long-run median (a round holds too few for quartiles).
-        reference = self.policy.estimate[self.rank] if self.policy.estimate else 0.0
-        reference = reference if reference > 0.0 else median
-        logs = [abs(math.log(s / reference)) for s in per_slot.values() if s > 0.0 and reference > 0.0]
-        jitter = statistics.median(logs) / _MAD_TO_SIGMA if self.pacer is not None and len(logs) >= 2 else 0.0
+        jitter = 0.0
+        if self.pacer is not None:  # only deadline rounds use it
+            known = self.policy.estimate[self.rank] if self.policy.estimate else 0.0
+            jitter = step_jitter(list(per_slot.values()), known if known > 0.0 else median)
         report = RankReport(
             median,
             self._round_samples,
