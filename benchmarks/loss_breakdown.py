@@ -10,9 +10,17 @@ validation excluded) and its samples, so each round's loss is ``duration - sampl
 * ``warm-up``: the first round, equal steps on every rank while speeds are measured;
 * ``cut``: rounds well short of the schedule's (under three quarters of its steps: an averaging before
   validation, at an epoch end, or a re-planned epoch tail): their imbalance is not the schedule's;
-* ``steady``: full rounds. Their loss splits into the all-reduce (measured per round), the schedule's rounding
-  (whole steps cannot fill the period exactly: ``max_i tau_i t_i - sum_i tau_i / sum_i 1/t_i`` at the round's
-  step times) and the rest: Lightning's per-round work, no-op slots and waits from per-step jitter;
+* ``steady``: full rounds. Their loss splits exactly into five parts, from the record's figures:
+
+  - ``all-reduce``: the averaging, measured per round;
+  - ``fixed``: the rest of the round outside the busiest rank's own steps (``duration - all-reduce - max_i
+    compute_i``): Lightning's work at the round's edges, the control data, the averaging's copies;
+  - ``stragglers``: the busiest rank's steps beyond what the round's median step times predict (``max_i compute_i
+    - max_i tau_i t_i``, ``tau_i`` the steps rank ``i`` took): per-step jitter and no-op slots between its steps;
+  - ``rounding``: whole steps cannot fill the period exactly (``max_i tau_i t_i - sum_i tau_i / sum_i 1/t_i``);
+  - ``speed``: the round's median step times against the benchmark's ideal (``sum_i tau_i / sum_i 1/t_i -
+    samples / ideal rate``): negative when the ranks ran faster than the runs' median base time;
+
 * ``after``: training time after the last averaging (the end of fit); slightly negative because the strategy's
   clock starts a few tens of milliseconds before the benchmark's.
 
@@ -30,7 +38,7 @@ from benchmarks.tables import markdown_table
 
 __all__ = ["breakdown"]
 
-KINDS = ("warm-up", "cut", "steady all-reduce", "steady rounding", "steady other", "after")
+KINDS = ("warm-up", "cut", "all-reduce", "fixed", "stragglers", "rounding", "speed", "after")
 
 
 def breakdown(run: dict) -> dict[str, float]:
@@ -52,14 +60,17 @@ def breakdown(run: dict) -> dict[str, float]:
         elif not full:
             lost["cut"] += loss
         else:
-            allreduce = min(record["allreduce_time"], loss)
-            # The schedule's own idle: whole steps cannot fill the period exactly (at the round's step times).
-            tau, times = record["local_steps"], record["step_times"]
+            allreduce = record["allreduce_time"]
+            busiest = max(record["compute_times"])
+            # the steps each rank took (a deadline round's differ from its plan's)
+            tau, times = [n / batch for n in record["samples"]], record["step_times"]
             period = max(k * t for k, t in zip(tau, times))
-            rounding = period - sum(tau) / sum(1.0 / t for t in times)
-            lost["steady all-reduce"] += allreduce
-            lost["steady rounding"] += rounding
-            lost["steady other"] += loss - allreduce - rounding
+            balanced = sum(tau) / sum(1.0 / t for t in times)
+            lost["all-reduce"] += allreduce
+            lost["fixed"] += duration - allreduce - busiest
+            lost["stragglers"] += busiest - period
+            lost["rounding"] += period - balanced
+            lost["speed"] += balanced - samples / rate
     lost["after"] = run["train_wall_s"] - previous
     return {"wall": run["train_wall_s"], "ideal": run["samples"] / rate, **lost}
 

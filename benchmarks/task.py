@@ -54,6 +54,55 @@ def parse_profile(text: str) -> dict[int, list[tuple[float, float]]]:
     return out
 
 
+class EmulatedDevice:
+    """One rank's emulated accelerator: the sleep each training step adds, and the rank's own accounting.
+
+    :meth:`calibrate` times a few pure-compute steps of a copy of the network (no communication); with the
+    regime's sleep this is the rank's solo device time ``t`` per step. A rank ``k`` times slower sleeps
+    ``(k - 1) * t`` more in every step; ``jitter`` adds mean-preserving lognormal noise to the whole step (a
+    noisy shared node). Shared by the Lightning module and the plain loops of ``benchmarks.peers``.
+    """
+
+    def __init__(self, rank: int, slowdown: str = "", step_ms: float = 0.0, jitter: float = 0.0) -> None:
+        spec = parse_profile(slowdown).get(rank)
+        self.profile = SlowdownProfile(spec) if spec else None
+        self.sleep_s = step_ms / 1e3
+        self.jitter = jitter
+        self.solo_step_s = 0.0  # device time per step (compute + sleep_s), before any emulated slowdown
+        self.real_steps = 0
+        self.busy_s = 0.0  # emulated device time: sum over steps of factor * solo_step_s
+        self._rng = random.Random(1000 + rank)
+
+    def calibrate(self, net: nn.Module, batch_size: int, steps: int = 12) -> None:
+        net = copy.deepcopy(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.0)
+        x, y = make_dataset(batch_size, seed=99).tensors
+        timings = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            loss = nn.functional.cross_entropy(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            timings.append(time.perf_counter() - start)
+        self.solo_step_s = sorted(timings[2:])[len(timings[2:]) // 2] + self.sleep_s
+
+    def factor_at(self, elapsed: float) -> float:
+        return 1.0 if self.profile is None else self.profile.factor_at(elapsed)
+
+    def step(self, elapsed: float) -> None:
+        """Sleep what a step that started ``elapsed`` training seconds in adds on this device."""
+        factor = self.factor_at(elapsed)
+        delay = self.sleep_s + (factor - 1.0) * self.solo_step_s
+        if self.jitter > 0.0:
+            noise = math.exp(self._rng.gauss(0.0, self.jitter) - 0.5 * self.jitter**2)
+            delay = max(0.0, delay + (noise - 1.0) * factor * self.solo_step_s)
+        if delay > 0.0:
+            time.sleep(delay)
+        self.real_steps += 1
+        self.busy_s += factor * self.solo_step_s
+
+
 class BenchModule(LightningModule):
     def __init__(
         self,
@@ -76,16 +125,9 @@ class BenchModule(LightningModule):
             nn.ReLU(),
             nn.Linear(hidden, 10),
         )
-        self.profiles = {rank: SlowdownProfile(steps) for rank, steps in parse_profile(slowdown).items()}
         # (training seconds since the start, validation excluded; val loss; val acc)
         self.val_curve: list[tuple[float, float, float]] = []
-        self.solo_step_s = 0.0  # this rank's device time per step (compute + step_ms), before any emulated slowdown
-        self.sleep_s = step_ms / 1e3
-        self.jitter = jitter  # lognormal log-spread of every step's device time (a noisy shared node)
-        self._jitter_rng: random.Random | None = None
-        self.real_steps = 0
-        self.busy_s = 0.0  # emulated compute time: sum over real steps of factor * solo_step_s
-        self.start_factor = 1.0
+        self.device_emulation = EmulatedDevice(0)  # replaced at train start, once the rank is known
         self.cluster: list[dict[str, float]] = []  # every rank's figures, gathered at the end of training
         self._t0 = 0.0
         self._validation_s = 0.0  # validation time, excluded from the training clock
@@ -95,45 +137,19 @@ class BenchModule(LightningModule):
         """Seconds of training since the start, validation excluded."""
         return time.perf_counter() - self._t0 - self._validation_s
 
-    def _factor_at(self, elapsed: float) -> float:
-        profile = self.profiles.get(self.global_rank)
-        return 1.0 if profile is None else profile.factor_at(elapsed)
-
     def forward(self, x):
         return self.net(x)
 
-    def _calibrate(self, steps: int = 12) -> float:
-        net = copy.deepcopy(self.net)
-        opt = torch.optim.SGD(net.parameters(), lr=0.0)
-        x, y = make_dataset(self.hparams.batch_size, seed=99).tensors
-        timings = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            loss = nn.functional.cross_entropy(net(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            timings.append(time.perf_counter() - start)
-        return sorted(timings[2:])[len(timings[2:]) // 2]
-
     def on_train_start(self) -> None:
-        self.solo_step_s = self._calibrate() + self.sleep_s
-        self.start_factor = self._factor_at(0.0)
-        self._jitter_rng = random.Random(1000 + self.global_rank)
+        h = self.hparams
+        self.device_emulation = EmulatedDevice(self.global_rank, h.slowdown, h.step_ms, h.jitter)
+        self.device_emulation.calibrate(self.net, h.batch_size)
         self._t0 = time.perf_counter()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        factor = self._factor_at(self.train_clock())
         loss = nn.functional.cross_entropy(self(x), y)
-        delay = self.sleep_s + (factor - 1.0) * self.solo_step_s
-        if self.jitter > 0.0 and self._jitter_rng is not None:  # mean-preserving noise on the whole step
-            noise = math.exp(self._jitter_rng.gauss(0.0, self.jitter) - 0.5 * self.jitter**2)
-            delay = max(0.0, delay + (noise - 1.0) * factor * self.solo_step_s)
-        if delay > 0.0:
-            time.sleep(delay)
-        self.real_steps += 1
-        self.busy_s += factor * self.solo_step_s
+        self.device_emulation.step(self.train_clock())
         self.log("train_loss", loss, on_step=True, on_epoch=False)
         return loss
 
@@ -155,9 +171,8 @@ class BenchModule(LightningModule):
 
     def on_train_end(self) -> None:
         wall = self.train_clock()
-        mine = torch.tensor(
-            [self.solo_step_s, self.start_factor, self.real_steps, self.busy_s, wall], dtype=torch.float64
-        )
+        d = self.device_emulation
+        mine = torch.tensor([d.solo_step_s, d.factor_at(0.0), d.real_steps, d.busy_s, wall], dtype=torch.float64)
         gathered = self.all_gather(mine).reshape(-1, 5)  # outside training_step: allowed under oscars too
         keys = ("solo_step_s", "start_factor", "real_steps", "busy_s", "wall_s")
         self.cluster = [dict(zip(keys, row.tolist())) for row in gathered]
