@@ -90,7 +90,7 @@ def train_rank(a: argparse.Namespace) -> None:
             load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), optimizer.load_state_dict(sd["optim"])),
             state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
             min_replica_size=a.world,
-            use_async_quorum=False,  # DiLoCo requires it; LocalSGD gets the same for a like-for-like comparison
+            use_async_quorum=a.algo == "torchft-localsgd",  # torchft's default; DiLoCo requires a synchronous one
             init_sync=False,  # identical seeds: no replica needs to fetch another's weights at step 0
             replica_id=f"replica_{a.rank}",
             lighthouse_addr=a.lighthouse,
@@ -110,6 +110,10 @@ def train_rank(a: argparse.Namespace) -> None:
             wrapper = DiLoCo(
                 manager, [model], optimizer, outer, sync_every=a.sync_every, backup_device=torch.device("cpu")
             )
+        # Join the first quorum (which configures the replicas' process group) before the clock starts, as
+        # Lightning's process group is set up before its training clock starts.
+        manager.start_quorum()
+        manager.wait_quorum()
     else:
         import torch.distributed as dist
 
@@ -409,10 +413,54 @@ def table(profile: str, summary: dict) -> list[str]:
         "",
         *markdown_table(headers, rows, "lllrrrrlrrr"),
         "",
+        *(f"- {line}" for line in ratios(summary)),
+        "",
         "Sweep (first run of each sync_every):",
         "",
         *markdown_table(["peer", "sync_every", "samples/s", "to target s", "val acc"], sweep_rows, "lrrrr"),
     ]
+
+
+def ratios(summary: dict) -> list[str]:
+    """The figures the README quotes: oscars against the best-tuned peer, and Lightning's own per-step cost."""
+    configs = summary["configs"]
+    lines = []
+    best = _best_peer(summary)
+    oscars = configs.get("oscars")
+    if best and oscars:
+        speed = oscars["median_samples_per_s"] / configs[best]["median_samples_per_s"]
+        reached = [configs[n]["median_time_to_target_s"] for n in PEERS if n in configs]
+        reached = [t for t in reached if t is not None]
+        mine = oscars["median_time_to_target_s"]
+        lead = f"{min(reached) / mine:.2f}x" if reached and mine else "not comparable (a target not reached)"
+        lines.append(f"oscars against the fastest peer ({best}): {speed:.2f}x the samples/s; time to target: {lead}")
+    if "ddp" in configs and "torch-ddp" in configs:
+        lightning, plain = configs["ddp"], configs["torch-ddp"]
+        steps = max(lightning["runs"][0]["real_steps"])
+        walls = lightning["median_train_wall_s"], plain["median_train_wall_s"]
+        extra_ms = 1e3 * (walls[0] - walls[1]) / steps
+        lines.append(
+            f"Lightning's own cost: ddp {walls[0]:.2f} s against a plain DDP loop's {walls[1]:.2f} s "
+            f"({walls[0] / walls[1]:.2f}x, {extra_ms:.1f} ms per step)"
+        )
+    return lines
+
+
+def report(data: dict, out: Path, name: str) -> None:
+    """``name``.md and ``name``.png from the JSON a study wrote (``--report`` rebuilds them)."""
+    meta, results = data["meta"], data["profiles"]
+    setup = " ".join(meta["regime_args"]) or "real compute only"
+    epochs = REGIMES[meta["regime"]]["epochs"]
+    lines = [
+        f"Regime `{meta['regime']}` ({setup}), {epochs} epochs, medians of up to {meta['repeats']} runs; the peers'"
+        f" sync_every swept over {meta['sync_every']}.",
+        "",
+    ]
+    for profile, summary in results.items():
+        lines += table(profile, summary) + [""]
+    (out / f"{name}.md").write_text("\n".join(lines))
+    plot(results, out / f"{name}.png")
+    print("\n".join(lines))
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
@@ -463,7 +511,12 @@ def main() -> None:
         ("--jitter", float),
     ):
         p.add_argument(flag, type=kind, default=0.0 if kind is float else None, help=argparse.SUPPRESS)
+    p.add_argument("--report", metavar="JSON", help="only rebuild the markdown and the plot from a study's JSON")
     a = p.parse_args()
+    if a.report:
+        path = Path(a.report)
+        report(json.loads(path.read_text()), path.parent, a.name or path.stem)
+        return
     if a.worker:
         a.sync_every = int(a.sync_every)
         train_rank(a)
@@ -483,17 +536,9 @@ def main() -> None:
         "sync_every": sync_values,
         "profiles": {k: PEER_PROFILES[k] for k in results},
     }
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "profiles": results}, indent=1))
-    setup = " ".join(REGIMES[a.regime]["args"]) or "real compute only"
-    lines = [
-        f"Regime `{a.regime}` ({setup}), {REGIMES[a.regime]['epochs']} epochs, medians of up to {a.repeats} runs.",
-        "",
-    ]
-    for profile, summary in results.items():
-        lines += table(profile, summary) + [""]
-    (out / f"{name}.md").write_text("\n".join(lines))
-    plot(results, out / f"{name}.png")
-    print("\n".join(lines))
+    data = {"meta": meta, "profiles": results}
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    report(json.loads(json.dumps(data)), out, name)  # as --report reads it back
 
 
 if __name__ == "__main__":
