@@ -455,6 +455,10 @@ def report(data: dict, out: Path, name: str) -> None:
         f"Regime `{meta['regime']}` ({setup}), {epochs} epochs, medians of up to {meta['repeats']} runs; the peers'"
         f" sync_every swept over {meta['sync_every']}.",
         "",
+        "`of ideal` uses oscars' measured 1x step, which includes Lightning's per-step work: a plain loop can"
+        " exceed 1. `vs best peer`: against the peer with the most samples/s. Idle per rank: train wall minus"
+        " emulated device time.",
+        "",
     ]
     for profile, summary in results.items():
         lines += table(profile, summary) + [""]
