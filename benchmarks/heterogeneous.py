@@ -208,7 +208,9 @@ def table(profile: str, summary: dict) -> list[str]:
     ]
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
+def plot(results: dict[str, dict], path: Path, accuracy: bool = False) -> None:
+    """One panel per profile: every configuration's first run, validation loss (log scale) or accuracy (with the
+    target as a dashed line) against training wall time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,11 +220,14 @@ def plot(results: dict[str, dict], path: Path) -> None:
     for ax, (profile, summary) in zip(axes[0], results.items()):
         for name, s in summary["configs"].items():
             curve = s["runs"][0]["curve"]
-            ax.plot([c[0] for c in curve], [c[1] for c in curve], marker=".", label=name)
-        ax.set_title(f"{profile} ({PROFILES.get(profile, profile) or 'equal speeds'})")
+            ax.plot([c[0] for c in curve], [c[2 if accuracy else 1] for c in curve], marker=".", label=name)
+        if accuracy and summary.get("target_acc") is not None:
+            ax.axhline(summary["target_acc"], color="grey", lw=0.8, ls="--")
+        ax.set_title(f"{profile} ({PROFILES.get(profile, '') or 'equal speeds'})")
         ax.set_xlabel("training wall time (s)")
-        ax.set_ylabel("validation loss")
-        ax.set_yscale("log")
+        ax.set_ylabel("validation accuracy" if accuracy else "validation loss")
+        if not accuracy:
+            ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -39,7 +39,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from benchmarks.heterogeneous import PROFILES, REGIMES, ranks_of, run, summarize
+from benchmarks.heterogeneous import PROFILES, REGIMES, plot, ranks_of, run, summarize
 from benchmarks.tables import markdown_table
 
 PEERS = ("torchft-localsgd", "torchft-diloco", "torch-averager")
@@ -463,30 +463,8 @@ def report(data: dict, out: Path, name: str) -> None:
     for profile, summary in results.items():
         lines += table(profile, summary) + [""]
     (out / f"{name}.md").write_text("\n".join(lines))
-    plot(results, out / f"{name}.png")
+    plot(results, out / f"{name}.png", accuracy=True)
     print("\n".join(lines))
-
-
-def plot(results: dict[str, dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
-    for ax, (profile, summary) in zip(axes[0], results.items()):
-        for name, s in summary["configs"].items():
-            curve = s["runs"][0]["curve"]
-            ax.plot([c[0] for c in curve], [c[2] for c in curve], marker=".", label=name)
-        if summary["target_acc"] is not None:
-            ax.axhline(summary["target_acc"], color="grey", lw=0.8, ls="--")
-        ax.set_title(profile)
-        ax.set_xlabel("training seconds")
-        ax.set_ylabel("validation accuracy")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
