@@ -71,6 +71,7 @@ class RoundDriver:
         )
         loader.max_slots = self.rounds.epoch_slot_bound(loader.total_units)
         loader.pacer = self.rounds.pacer
+        loader.warmup_gate = self.rounds.warmup_gate
         self.loader = loader
         self.rounds.forget_plan()
         return loader

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_oscars.deadline import DeadlinePacer
 from lightning_oscars.epoch_order import EpochOrder, training_set_size
 from lightning_oscars.partition import EpochPlan, Round
+from lightning_oscars.warmup import WarmupGate
 
 __all__ = [
     "EpochOrder",
@@ -149,6 +150,7 @@ class LoadBalancedLoader:
         self._inner_loader = DataLoader(dataset, batch_sampler=self._feed, **loader_kwargs)
         self.plan: EpochPlan | None = None
         self.pacer: DeadlinePacer | None = None  # decides the real slots of deadline rounds (set by the strategy)
+        self.warmup_gate: WarmupGate | None = None  # decides those of the time-boxed warm-up round (likewise)
         self.start_position = 0  # set by the strategy when Lightning resumes mid-epoch
         self._order: list[int] | None = None
         self._order_epoch = -1
@@ -243,7 +245,7 @@ class _EpochIterator:
         slot, within = divmod(position, owner.batches_per_slot)
         if plan is None:
             # Only the first batch of an epoch can be fetched before the strategy plans it, and a rank's
-            # first unit never depends on the plan (see partition.py).
+            # first unit never depends on the plan (see partition.py): it is the first round's first unit.
             unit: int | None = owner.rank if slot == 0 else None
         elif slot >= plan.total_slots:
             unit = None
@@ -275,7 +277,7 @@ class _EpochIterator:
         if within == 0:
             reserved = rnd.quotas[owner.rank]
             pending = sum(1 for info in owner._slots if info.real)
-            pacer = owner.pacer
+            pacer: DeadlinePacer | WarmupGate | None = owner.warmup_gate if rnd.warmup else owner.pacer
             due = self._taken < reserved and (
                 pacer is None or pacer.is_due(slot - rnd.start_slot, rnd.length, self._taken, reserved, pending)
             )
@@ -361,6 +363,8 @@ class _EpochIterator:
                 # Kept in plain rounds too: a round's first slot is fetched before a re-plan may make it a deadline
                 # round, whose other batches of that slot then follow this decision.
                 self._taken += int(batch is not None)
+                if plan is None:  # the first round's first slot: the plan's first round is entered already
+                    self._round_slot = 0
                 self._slot_unit = None if batch is None else batch // owner.batches_per_slot
         if batch is None:
             if self.last_batch is None:

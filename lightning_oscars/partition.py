@@ -21,11 +21,15 @@ A *deadline round* (``deadline_rounds=True``) *reserves* ``quotas[i]`` units for
 trained back to the epoch: they are trained first in the following rounds, right after the next round's first
 units (already fetched), so every unit is still used exactly once per epoch. The plan keeps the epoch's order of
 units as a list of *positions*, which settling rewrites; rounds address positions.
+
+The *time-boxed warm-up* (``warmup.py``) lays out an epoch's first round the same way, with every rank reserving
+the same number of units (``warmup_reserve``); only the slots' decisions differ.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -119,13 +123,14 @@ def round_quotas(local_steps: Sequence[int], remaining_units: int, remaining_slo
 class Round:
     """One round: ``length`` slots from ``start_slot``; rank ``i`` trains ``quotas[i]`` units from position
     ``first_unit``. In a ``deadline`` round the quotas are reservations until :meth:`EpochPlan.settle` replaces
-    them by what each rank trained."""
+    them by what each rank trained; a ``warmup`` round is a deadline round whose slots the warm-up gate decides."""
 
     start_slot: int
     length: int
     quotas: tuple[int, ...]
     first_unit: int
     deadline: bool = False
+    warmup: bool = False
 
     @property
     def end_slot(self) -> int:
@@ -170,13 +175,19 @@ def plan_rounds(
     start_slot: int = 0,
     first_unit: int = 0,
     reserve: Sequence[int] | None = None,
+    warmup_reserve: Sequence[int] | None = None,
 ) -> list[Round]:
     """The rounds from ``start_slot`` to ``total_slots`` if every round follows ``local_steps``. With ``reserve``
     (per-rank reservations of deadline rounds), rounds are deadline rounds while :func:`deadline_round_fits`, laid
-    out as if every reservation were trained (settling re-plans), and plain rounds after."""
+    out as if every reservation were trained (settling re-plans), and plain rounds after. With ``warmup_reserve``
+    the first round is a time-boxed warm-up reserving that much, if it fits."""
     steps = tuple(local_steps)
     rounds: list[Round] = []
     slot, unit = start_slot, first_unit
+    if warmup_reserve is not None and deadline_round_fits(warmup_reserve, total_units - unit, total_slots - slot):
+        rounds.append(Round(slot, max(warmup_reserve), tuple(warmup_reserve), unit, deadline=True, warmup=True))
+        slot += max(warmup_reserve)
+        unit += sum(warmup_reserve)
     while slot < total_slots:
         if reserve is not None and deadline_round_fits(reserve, total_units - unit, total_slots - slot):
             rounds.append(Round(slot, max(reserve), tuple(reserve), unit, deadline=True))
@@ -236,18 +247,23 @@ class EpochPlan:
         total_slots: int,
         local_steps: Sequence[int],
         reserve: Sequence[int] | None = None,
+        warmup_reserve: Sequence[int] | None = None,
     ) -> None:
-        if len(local_steps) != world_size or (reserve is not None and len(reserve) != world_size):
-            raise ValueError(f"local_steps or reserve do not have {world_size} entries, one per rank")
-        if reserve is not None and any(r < t or r < 1 for r, t in zip(reserve, local_steps)):
-            raise ValueError(f"reservations {list(reserve)} must be >= 1 and >= local_steps {list(local_steps)}")
+        for name, given in (("local_steps", local_steps), ("reserve", reserve), ("warmup_reserve", warmup_reserve)):
+            if given is not None and len(given) != world_size:
+                raise ValueError(f"{name} does not have {world_size} entries, one per rank")
+        for given in (reserve, warmup_reserve):
+            if given is not None and any(r < t or r < 1 for r, t in zip(given, local_steps)):
+                raise ValueError(f"reservations {list(given)} must be >= 1 and >= local_steps {list(local_steps)}")
         self.world_size = world_size
         self.total_units = total_units
         self.total_slots = total_slots
         self.version = 0
         self.order: list[int] | None = None  # position -> unit once a deadline round handed units back
         self.progress: tuple[int, ...] = (0,) * world_size  # units trained in the current round at the last averaging
-        self._rounds = plan_rounds(local_steps, total_units, total_slots, reserve=reserve)
+        self._rounds = plan_rounds(
+            local_steps, total_units, total_slots, reserve=reserve, warmup_reserve=warmup_reserve
+        )
         self._starts = [r.start_slot for r in self._rounds]
 
     def unit(self, position: int) -> int:
@@ -330,7 +346,7 @@ class EpochPlan:
         order = self.order if self.order is not None else list(range(self.total_units))
         start, end = rnd.first_unit, rnd.first_unit + sum(rnd.quotas)
         reserved = [rnd.units_of(r) for r in range(self.world_size)]
-        settled = Round(rnd.start_slot, rnd.length, trained, start, deadline=True)
+        settled = dataclasses.replace(rnd, quotas=trained)
         segment = [0] * sum(trained)
         returned: list[int] = []
         for rank, positions in enumerate(reserved):
@@ -350,7 +366,9 @@ class EpochPlan:
         return {
             "total_units": self.total_units,
             "total_slots": self.total_slots,
-            "rounds": [[r.start_slot, r.length, list(r.quotas), r.first_unit, r.deadline] for r in self._rounds],
+            "rounds": [
+                [r.start_slot, r.length, list(r.quotas), r.first_unit, r.deadline, r.warmup] for r in self._rounds
+            ],
             "order": self.order,
             "progress": list(self.progress),
         }
@@ -359,7 +377,10 @@ class EpochPlan:
     def from_state_dict(cls, world_size: int, state: dict[str, Any]) -> EpochPlan:
         """The plan :meth:`state_dict` saved (a checkpoint written mid-epoch), re-planned rounds included."""
         plan = cls(world_size, state["total_units"], state["total_slots"], (1,) * world_size)
-        plan._rounds = [Round(r[0], r[1], tuple(r[2]), r[3], len(r) > 4 and bool(r[4])) for r in state["rounds"]]
+        plan._rounds = [
+            Round(r[0], r[1], tuple(r[2]), r[3], len(r) > 4 and bool(r[4]), len(r) > 5 and bool(r[5]))
+            for r in state["rounds"]
+        ]
         plan._starts = [r.start_slot for r in plan._rounds]
         plan.order = state.get("order")
         plan.progress = tuple(state.get("progress") or (0,) * world_size)

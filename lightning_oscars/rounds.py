@@ -28,6 +28,7 @@ from lightning_oscars.loader import SlotInfo
 from lightning_oscars.partition import EpochPlan, Round, deadline_epoch_slots, deadline_round_fits
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.timing import LapClock, StepTimeEstimator, WallClock
+from lightning_oscars.warmup import WarmupGate, warmup_reservation
 
 # Weight of the newest round in the moving average of every rank's step jitter (deadline rounds).
 JITTER_SMOOTHING = 0.3
@@ -85,6 +86,8 @@ class RoundController:
         world_size / rank: this rank's place.
         weighted: weight this rank's model by its samples in the round (else every rank weighs 1).
         deadline: deadline rounds (``deadline.py``) once a schedule is solved; :attr:`pacer` decides the slots.
+        warmup_gate: time-box the warm-up round (``warmup.py``): faster ranks train until the slowest has taken its
+            warm-up steps. Without it every rank takes exactly ``warmup_steps``.
         clock: measures local steps (host wall clock by default; CUDA events on a GPU).
         now: wall clock for the record's ``time``.
     """
@@ -97,6 +100,7 @@ class RoundController:
         *,
         weighted: bool = False,
         deadline: bool = False,
+        warmup_gate: WarmupGate | None = None,
         clock: LapClock | None = None,
         now: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -107,6 +111,8 @@ class RoundController:
         self.rank = rank
         self.weighted = weighted
         self.pacer: DeadlinePacer | None = DeadlinePacer(now) if deadline else None
+        self.warmup_gate = warmup_gate
+        self._warmup_planned = False  # the fit's warm-up round was laid out (once per fit)
         self.clock: LapClock = clock if clock is not None else WallClock()
         self._now = now
         self.history: list[RoundRecord] = []
@@ -147,6 +153,7 @@ class RoundController:
         self._excluded = 0.0
         self._round_started = None
         self._costs.clear()
+        self._warmup_planned = False
 
     def exclude_time(self, seconds: float) -> None:
         """``seconds`` just spent outside training (validation): the records' ``time`` leaves them out."""
@@ -209,7 +216,16 @@ class RoundController:
             deadline_slots = self._deadline_slots(total_units)
             if deadline_slots is not None:
                 total_slots = min(bound, deadline_slots)
-            plan = self.plan = EpochPlan(self.world_size, total_units, total_slots, self.local_steps, self.reserve)
+            warmup = None
+            if self.warmup_gate is not None and not self.policy.solved and not self._warmup_planned:
+                self._warmup_planned = True
+                policy = self.policy
+                length = warmup_reservation(policy.local_steps[0], policy.max_local_steps, policy.max_spread)
+                warmup = (length,) * self.world_size
+                self.warmup_gate.warmup_steps = policy.local_steps[0]  # shortened to max_steps, if that is less
+            plan = self.plan = EpochPlan(
+                self.world_size, total_units, total_slots, self.local_steps, self.reserve, warmup_reserve=warmup
+            )
             self.planned_epoch = epoch
             self._round_units = 0
         self._replan_pending = False
@@ -251,6 +267,8 @@ class RoundController:
         if not slot_done or slot >= plan.total_slots:
             return None
         rnd = plan.round_at(slot)
+        if rnd.warmup and self.warmup_gate is not None:
+            self.warmup_gate.trained(self._round_units)
         if rnd.is_empty:
             return None
         self._slots_since_average += 1

@@ -37,6 +37,7 @@ from lightning_oscars.schemes import ModelAveraging, SyncScheme
 from lightning_oscars.solver import Schedule
 from lightning_oscars.strategy_options import OscarsOptions, check_ddp_wrapper_options
 from lightning_oscars.timing import make_clock
+from lightning_oscars.warmup import StoreCounter
 
 __all__ = ["DEFAULT_TIMEOUT", "OscarsStrategy", "RoundRecord"]
 
@@ -61,6 +62,9 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             this fraction of the best.
         warmup_steps: local steps every rank takes in the first round, which is spent measuring step times;
             shortened to ``max_steps`` when the run is shorter (``fast_dev_run`` included).
+        timed_warmup: time-box the first round: it lasts until the slowest rank has taken its ``warmup_steps``,
+            and faster ranks keep training meanwhile instead of waiting (``lightning_oscars.warmup``). ``False``:
+            every rank takes exactly ``warmup_steps``.
         rebalance_threshold: re-solve when a rank's smoothed step time moved by more than this fraction from
             the times the schedule was solved for.
         min_gain: adopt a re-solved schedule only if it is predicted to be this fraction faster (hysteresis).
@@ -97,6 +101,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         max_local_steps: int = 16,
         efficiency_tolerance: float = 0.02,
         warmup_steps: int = 4,
+        timed_warmup: bool = True,
         rebalance_threshold: float = 0.2,
         min_gain: float = 0.02,
         smoothing: float = 0.5,
@@ -139,6 +144,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             max_local_steps=max_local_steps,
             efficiency_tolerance=efficiency_tolerance,
             warmup_steps=warmup_steps,
+            timed_warmup=timed_warmup,
             rebalance_threshold=rebalance_threshold,
             min_gain=min_gain,
             smoothing=smoothing,
@@ -245,7 +251,9 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         scheme = self.make_scheme()
         if isinstance(scheme, ModelAveraging):
             scheme.device = self.root_device
-        rounds = self.make_rounds(scheme, self.world_size, self.global_rank, make_clock(self.root_device))
+        rounds = self.make_rounds(
+            scheme, self.world_size, self.global_rank, make_clock(self.root_device), StoreCounter.from_default_group()
+        )
         rounds.begin_fit(trainer.max_steps)
         self.driver.close()  # a previous fit on this Trainer, if any
         self.driver = RoundDriver(self, scheme, rounds, self.root_device)

@@ -10,6 +10,7 @@ from lightning_oscars.policy import SchedulePolicy, Solver
 from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import ModelAveraging, SyncScheme
 from lightning_oscars.timing import LapClock
+from lightning_oscars.warmup import WarmupGate
 
 __all__ = ["OscarsOptions", "check_ddp_wrapper_options"]
 
@@ -24,6 +25,7 @@ class OscarsOptions:
     max_local_steps: int
     efficiency_tolerance: float
     warmup_steps: int
+    timed_warmup: bool
     rebalance_threshold: float
     min_gain: float
     smoothing: float
@@ -45,6 +47,7 @@ class OscarsOptions:
         max_local_steps: int,
         efficiency_tolerance: float,
         warmup_steps: int,
+        timed_warmup: bool = True,
         rebalance_threshold: float,
         min_gain: float,
         smoothing: float,
@@ -86,6 +89,9 @@ class OscarsOptions:
         if not isinstance(deadline_rounds, bool):
             raise ValueError(f"deadline_rounds must be True or False, got {deadline_rounds!r}")
         self.deadline_rounds = deadline_rounds
+        if not isinstance(timed_warmup, bool):
+            raise ValueError(f"timed_warmup must be True or False, got {timed_warmup!r}")
+        self.timed_warmup = timed_warmup
         self.pinned_step_times = policy.pinned_step_times
         self.pinned_local_steps = policy.pinned_local_steps
         self.seed = seed
@@ -102,15 +108,26 @@ class OscarsOptions:
         return OuterNesterovAveraging(self.make_policy(), self.outer_lr, self.outer_momentum)
 
     def make_rounds(
-        self, scheme: SyncScheme, world_size: int, rank: int, clock: LapClock | None = None
+        self,
+        scheme: SyncScheme,
+        world_size: int,
+        rank: int,
+        clock: LapClock | None = None,
+        counter: Callable[[int], int] | None = None,
     ) -> RoundController:
-        """The round controller of one fit with ``scheme``: sample weighting and deadline rounds as configured."""
+        """The round controller of one fit with ``scheme``: sample weighting, deadline rounds and the time-boxed
+        warm-up as configured (the warm-up needs ``counter``, shared by the ranks; see ``warmup.py``)."""
+        policy = scheme.policy
+        gate = None
+        if self.timed_warmup and counter is not None and world_size > 1:
+            gate = WarmupGate(policy.warmup_steps, world_size, counter)
         return RoundController(
-            scheme.policy,
+            policy,
             world_size,
             rank,
             weighted=self.averaging == "samples",
             deadline=self.deadline_rounds,
+            warmup_gate=gate,
             clock=clock,
         )
 
