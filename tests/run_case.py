@@ -412,6 +412,10 @@ def build(case: str, out: Path):
             callbacks += [ModelCheckpoint(dirpath=out / "steps", every_n_train_steps=13, save_top_k=-1)]
         elif case == "deadline_midepoch_second":
             kwargs.update(default_root_dir=str(out))
+    elif case in ("timed_warmup", "fixed_warmup"):  # rank 1 3x slower; validation twice per epoch
+        module = IndexedModule(n=480, batch_size=8, step_cost=0.004)
+        strategy = OscarsStrategy(warmup_steps=2, timed_warmup=case == "timed_warmup")
+        kwargs.update(max_epochs=2, val_check_interval=0.5, limit_val_batches=2)
     elif case == "warmup_too_long":
         strategy = OscarsStrategy(warmup_steps=8)
         kwargs.update(max_epochs=-1, max_steps=5)

@@ -440,6 +440,19 @@ def test_deadline_rounds_follow_the_clock_and_train_every_sample_once(tmp_path):
     assert sum(len(a) for a in fast["trained"]) > 2 * sum(len(b) for b in slow["trained"])
 
 
+def test_timed_warmup_keeps_the_fast_rank_training_while_the_slow_one_warms_up(tmp_path):
+    fast, slow = finished("timed_warmup", tmp_path)  # identical weights, no hang
+    _epochs_complete(fast, slow, 480)
+    first = fast["history"][0]
+    assert first["local_steps"] == [2, 2]
+    fast_steps, slow_steps = (s // 8 for s in first["samples"])
+    assert slow_steps == 2, "the slow rank takes its warm-up steps"
+    assert 4 <= fast_steps <= 16, "the fast rank (3x) kept training meanwhile, within the round's 16 slots"
+    assert fast["collectives"] == slow["collectives"] <= fast["num_averagings"], "no collective beyond the rounds'"
+    fixed, _ = finished("fixed_warmup", tmp_path / "fixed")
+    assert [s // 8 for s in fixed["history"][0]["samples"]] == [2, 2]
+
+
 def test_deadline_rounds_resume_mid_round_without_losing_or_repeating_data(tmp_path):
     first = finished("deadline_midepoch_first", tmp_path)
     assert (tmp_path / "steps" / "epoch=0-step=13.ckpt").exists()
