@@ -115,7 +115,8 @@ def simulate(step_s: tuple[float, float], timed: bool, epochs: int = 1, accumula
             ends: list[tuple[int | None, int] | None] = [None, None]
             running: list[tuple[float, bool] | None] = [None, None]  # (end time, real) of a started slot
             while None in ends:
-                rank = min((r for r in range(2) if ends[r] is None), key=lambda r: running[r][0] if running[r] else now[r])
+                waiting = [r for r in range(2) if ends[r] is None]
+                rank = min(waiting, key=lambda r: running[r][0] if running[r] else now[r])
                 controller, loader = ranks[rank]
                 if running[rank] is None:  # the slot starts: the next one is fetched (and decided) now
                     (item,) = pending[rank]
