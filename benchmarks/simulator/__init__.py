@@ -32,9 +32,10 @@ Model and assumptions (what the numbers do and do not include):
   epoch shrink to the data left. Validation every ``val_check_interval`` of the epoch's slots forces an extra
   averaging when it falls inside a round (the strategy averages before validating).
 * Oscars is the strategy's own schedule policy (``lightning_oscars.policy.SchedulePolicy``, the object
-  ``OscarsStrategy`` drives; the simulator keeps no copy): a warm-up round of ``warmup_steps`` steps per rank;
-  per averaging the median of each rank's step times, smoothed by an EMA (``smoothing``); step times within 5%
-  of each other snapped to their group's slowest before the exact solver runs; re-balancing
+  ``OscarsStrategy`` drives; the simulator keeps no copy): a time-boxed warm-up round (every rank its
+  ``warmup_steps``, faster ranks every step they start before the slowest has taken its own, as the strategy's
+  ``timed_warmup``); per averaging the median of each rank's step times, smoothed by an EMA (``smoothing``);
+  step times within 5% of each other snapped to their group's slowest before the exact solver runs; re-balancing
   (``lightning_oscars.solver.rebalance``): a re-solve happens when a rank's smoothed time, or the all-reduce
   cost relative to the round (``|c_new - c_old| / (T + c_old)``), drifted by more than ``rebalance_threshold``,
   or when the cost first becomes known (the first solve saw 0), and is adopted only if predicted ``min_gain``

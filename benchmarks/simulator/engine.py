@@ -12,6 +12,7 @@ from benchmarks.simulator.cluster import Cluster, Load, Timeline, fit_to_remaini
 from benchmarks.simulator.policies import FixedPolicy, OscarsPolicy
 from lightning_oscars.partition import EpochPlan
 from lightning_oscars.policy import SchedulePolicy
+from lightning_oscars.warmup import warmup_reservation
 
 __all__ = ["SimResult", "simulate", "simulate_bsp", "simulate_local_sgd", "simulate_oscars"]
 
@@ -164,7 +165,14 @@ class _Engine:
             self._started = True
         return draws
 
-    def round(self, quotas: np.ndarray, width: int, cuts: Sequence[int] = (), validate_at_end: bool = False) -> bool:
+    def round(
+        self,
+        quotas: np.ndarray,
+        width: int,
+        cuts: Sequence[int] = (),
+        validate_at_end: bool = False,
+        draws: np.ndarray | None = None,
+    ) -> bool:
         """``width`` slots, rank ``i`` real in its first ``quotas[i]``; average at every cut and at the end.
 
         A cut is a validation inside the round (the strategy averages before validating); ``validate_at_end``
@@ -172,7 +180,7 @@ class _Engine:
         these averagings. Each averaging folds the medians of the steps since the previous one into the policy,
         as the strategy does at every averaging.
         """
-        draws = self._draw(width)
+        draws = self._draw(width) if draws is None else draws
         taken = np.arange(width)[None, :] < quotas[:, None]
         changed = False
         for a, b in zip((0, *cuts), (*cuts, width)):
@@ -316,7 +324,10 @@ def _planned_epoch(engine: _Engine, units: int, val_check_interval: float | None
     n, policy = engine.n, engine.policy
     total_slots, upper_bound = policy.epoch_slots(units, policy.epoch_slot_bound(units))
     engine.epoch_slots.append(total_slots)
-    plan = EpochPlan(n, units, total_slots, policy.local_steps)
+    warmup = None
+    if isinstance(policy, OscarsPolicy) and policy.timed_warmup and not policy.solved and engine.slots == 0:
+        warmup = (warmup_reservation(policy.local_steps[0], policy.max_local_steps, policy.max_spread),) * n
+    plan = EpochPlan(n, units, total_slots, policy.local_steps, warmup_reserve=warmup)
     check = _val_check_batch(plan.total_slots, val_check_interval)
     slot, pending = 0, False
     while slot < plan.total_slots:
@@ -328,7 +339,12 @@ def _planned_epoch(engine: _Engine, units: int, val_check_interval: float | None
         engine.note_schedule()
         cuts = [c - slot for c in range(slot + 1, rnd.end_slot) if check and c % check == 0]
         at_end = bool(check) and rnd.end_slot % check == 0
-        pending = engine.round(np.asarray(rnd.quotas, dtype=np.int64), rnd.length, cuts, at_end) or pending
+        draws = None
+        if rnd.warmup:  # the time-boxed warm-up: settled to the steps each rank started before the slowest was done
+            draws = engine._draw(rnd.length)
+            plan.settle(slot, timed_warmup_steps(draws, policy.local_steps[0], rnd.quotas))
+            rnd, pending = plan.round_at(slot), True
+        pending = engine.round(np.asarray(rnd.quotas, dtype=np.int64), rnd.length, cuts, at_end, draws) or pending
         slot = rnd.end_slot
         if pending and slot < plan.total_slots:
             plan.replan(slot, policy.local_steps, shrink=upper_bound)
@@ -336,6 +352,16 @@ def _planned_epoch(engine: _Engine, units: int, val_check_interval: float | None
             if upper_bound:
                 upper_bound = False
                 check = _val_check_batch(plan.total_slots, val_check_interval)
+
+
+def timed_warmup_steps(draws: np.ndarray, warmup_steps: int, reserve: Sequence[int]) -> tuple[int, ...]:
+    """Steps every rank takes in the time-boxed warm-up round (``lightning_oscars.warmup``): its ``warmup_steps``,
+    then every step it starts before the slowest rank has finished its own (a rank decides as it fetches, at the
+    step's start), within its reservation. ``draws``: ranks x slots step times."""
+    ends = np.cumsum(draws, axis=1)
+    done = float(ends[:, warmup_steps - 1].max())
+    started = (ends - draws < done).sum(axis=1)
+    return tuple(int(q) for q in np.clip(started, warmup_steps, np.asarray(reserve)))
 
 
 def simulate_bsp(

@@ -41,6 +41,8 @@ class OscarsPolicy(SchedulePolicy):
         initial_step_times / initial_allreduce_s: solve before the first round from these (an oracle, or the
             strategy's pinned ``step_times``) instead of a warm-up round. The simulator's engine hands the policy
             ``initial_allreduce_s`` as the cost at the first averaging (an oracle knows it from the start).
+        timed_warmup: the strategy's option: the warm-up round lasts until the slowest rank has taken
+            ``warmup_steps``, faster ranks training meanwhile (``False``: every rank takes ``warmup_steps``).
         name: the paradigm reported in the results.
     """
 
@@ -57,6 +59,7 @@ class OscarsPolicy(SchedulePolicy):
         resolve: bool = True,
         initial_step_times: Sequence[float] | None = None,
         initial_allreduce_s: float = 0.0,
+        timed_warmup: bool = True,
         name: str = "oscars",
     ) -> None:
         super().__init__(
@@ -73,5 +76,6 @@ class OscarsPolicy(SchedulePolicy):
             initial_allreduce_s=initial_allreduce_s,
         )
         self.name = name
+        self.timed_warmup = timed_warmup
         if self.pinned_step_times is not None:  # the world size is known: solve now (``begin`` solves again)
             self.begin(len(self.pinned_step_times))
