@@ -151,7 +151,14 @@ def test_first_epoch_is_cut_once_the_first_schedule_is_solved():
     )
     tau = policy.schedule.local_steps
     first_epoch = [r for r in res.history if r["epoch"] == 0]
-    assert first_epoch[-1]["global_step"] == 4 + planned_slots(tau, 240 - 8)
+    # The time-boxed warm-up: 16 slots, the slow rank its 4 steps, the 3x faster one what it started meanwhile.
+    warmup = res.history[0]["samples"]
+    assert warmup[1] == 4 and 11 <= warmup[0] <= 13, warmup
+    assert first_epoch[-1]["global_step"] == 16 + planned_slots(tau, 240 - sum(warmup))
+    fixed = simulate_oscars(
+        cluster, 240, allreduce_s=0.0, policy=OscarsPolicy(timed_warmup=False), record_batch_size=1, seed=0
+    )
+    assert fixed.history[0]["samples"] == [4, 4]
     lengths = np.diff([0.0, *res.epoch_end_s])
     assert lengths[0] < 1.2 * lengths[1:].mean()  # no tail of no-op slots
 
