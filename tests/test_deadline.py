@@ -9,21 +9,13 @@ from unittest import mock
 
 import pytest
 import torch
+from simulated import SimClock, Time, wired_loader
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oscars import RoundController, SchedulePolicy
 from lightning_oscars.control import ControlData
 from lightning_oscars.deadline import DeadlinePacer, plan_deadline, quantile_step, reservations
-from lightning_oscars.loader import LoadBalancedLoader
 from lightning_oscars.partition import EpochPlan, deadline_epoch_slots
-
-
-class Time:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_reservations_last_until_the_deadline_with_fast_steps():
@@ -121,24 +113,6 @@ def test_settle_rejects_counts_beyond_the_reservation():
         plan.settle(1, (1, 1))
 
 
-class SimClock:
-    """A lap clock on a rank's simulated time."""
-
-    def __init__(self, time: Time) -> None:
-        self.time, self._mark, self._laps = time, 0.0, []
-
-    def mark(self) -> None:
-        self._mark = self.time.now
-
-    def lap(self) -> None:
-        self._laps.append(self.time.now - self._mark)
-        self._mark = self.time.now
-
-    def drain(self) -> list[float]:
-        laps, self._laps = self._laps, []
-        return laps
-
-
 # The loader times its data fetching with the real clock; in simulated time that would add a few microseconds of
 # real noise to each round's first step, enough to steer the schedule differently from run to run.
 @mock.patch("lightning_oscars.loader.time.perf_counter", new=lambda: 0.0)
@@ -157,10 +131,7 @@ def simulate(
         policy = SchedulePolicy(warmup_steps=2, max_local_steps=8)
         controller = RoundController(policy, 2, rank, deadline=deadline, clock=SimClock(times[rank]), now=times[rank])
         controller.begin_fit()
-        loader = LoadBalancedLoader(data, rank, 2, shuffle=True, seed=1, batches_per_slot=accumulate)
-        loader.pacer = controller.pacer
-        loader.max_slots = controller.epoch_slot_bound(loader.total_units)
-        ranks.append((controller, loader))
+        ranks.append((controller, wired_loader(controller, data, rank, accumulate)))
     seen: list[list[int]] = []
     for epoch in range(epochs):
         iterators, pending, batch = [], [], 0

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from simulated import SimClock, Time, wired_loader
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oscars import RoundController, SchedulePolicy
 from lightning_oscars.control import ControlData
-from lightning_oscars.loader import LoadBalancedLoader
 from lightning_oscars.partition import EpochPlan, deadline_round_fits
 from lightning_oscars.warmup import WarmupGate, warmup_reservation
 
@@ -88,19 +88,14 @@ def simulate(step_s: tuple[float, float], timed: bool, epochs: int = 1, accumula
     announced by then. Returns the samples trained per epoch, the history and the first round's end."""
     data = DataLoader(TensorDataset(torch.arange(480)), batch_size=4, shuffle=True)
     counter = Counter()
-    now = [0.0, 0.0]
+    clocks = [Time(), Time()]
     ranks = []
     for rank in range(2):
         policy = SchedulePolicy(warmup_steps=4, max_local_steps=16)
         gate = WarmupGate(4, 2, counter) if timed else None
-        controller = RoundController(
-            policy, 2, rank, warmup_gate=gate, clock=_Clock(now, rank), now=lambda r=rank: now[r]
-        )
+        controller = RoundController(policy, 2, rank, warmup_gate=gate, clock=SimClock(clocks[rank]), now=clocks[rank])
         controller.begin_fit()
-        loader = LoadBalancedLoader(data, rank, 2, shuffle=True, seed=1, batches_per_slot=accumulate)
-        loader.warmup_gate = controller.warmup_gate
-        loader.max_slots = controller.epoch_slot_bound(loader.total_units)
-        ranks.append((controller, loader))
+        ranks.append((controller, wired_loader(controller, data, rank, accumulate)))
     seen: list[list[int]] = []
     first_round_end = None
     for epoch in range(epochs):
@@ -116,7 +111,7 @@ def simulate(step_s: tuple[float, float], timed: bool, epochs: int = 1, accumula
             running: list[tuple[float, bool] | None] = [None, None]  # (end time, real) of a started slot
             while None in ends:
                 waiting = [r for r in range(2) if ends[r] is None]
-                rank = min(waiting, key=lambda r: running[r][0] if running[r] else now[r])
+                rank = min(waiting, key=lambda r: running[r][0] if running[r] else clocks[r].now)
                 controller, loader = ranks[rank]
                 if running[rank] is None:  # the slot starts: the next one is fetched (and decided) now
                     (item,) = pending[rank]
@@ -125,9 +120,9 @@ def simulate(step_s: tuple[float, float], timed: bool, epochs: int = 1, accumula
                     controller.begin_slot(info)
                     if info.real:
                         seen[-1] += item.tolist()
-                    running[rank] = (now[rank] + (step_s[rank] if info.real else 0.0005), info.real)
+                    running[rank] = (clocks[rank].now + (step_s[rank] if info.real else 0.0005), info.real)
                     continue
-                now[rank] = running[rank][0]
+                clocks[rank].now = running[rank][0]
                 running[rank] = None
                 epoch_batches = controller.plan.total_slots * accumulate
                 end = controller.end_slot(batch[rank], accumulate, epoch_batches)
@@ -136,8 +131,9 @@ def simulate(step_s: tuple[float, float], timed: bool, epochs: int = 1, accumula
                     ends[rank] = (end, batch[rank])
             assert ends[0] == ends[1], "both ranks end the round at the same slot"
             batch = [ends[0][1], ends[0][1]]
-            meet = max(now) + 0.002
-            now[:] = [meet, meet]
+            meet = max(c.now for c in clocks) + 0.002
+            for c in clocks:
+                c.now = meet
             first_round_end = first_round_end if first_round_end is not None else meet
             vectors = [c.contribution(global_step=0).encode(2) for c, _ in ranks]
             summed = ControlData.decode([sum(v) for v in zip(*vectors)], 2)
@@ -145,24 +141,6 @@ def simulate(step_s: tuple[float, float], timed: bool, epochs: int = 1, accumula
                         for c, _ in ranks]  # fmt: skip
             assert outcomes[0] == outcomes[1]
     return seen, ranks[0][0].history, first_round_end
-
-
-class _Clock:
-    """A lap clock on one rank's simulated time."""
-
-    def __init__(self, now: list[float], rank: int) -> None:
-        self.now, self.rank, self._mark, self._laps = now, rank, 0.0, []
-
-    def mark(self) -> None:
-        self._mark = self.now[self.rank]
-
-    def lap(self) -> None:
-        self._laps.append(self.now[self.rank] - self._mark)
-        self._mark = self.now[self.rank]
-
-    def drain(self) -> list[float]:
-        laps, self._laps = self._laps, []
-        return laps
 
 
 @pytest.mark.parametrize("ratio", [1, 3, 5])
