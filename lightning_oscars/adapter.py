@@ -57,6 +57,8 @@ from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa:
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches  # noqa: E402
 from lightning.pytorch.trainer.states import RunningStage  # noqa: E402
 
+from lightning_oscars.partition import val_check_after_resize  # noqa: E402
+
 __all__ = [
     "LightningAdapter",
     "check_lightning_version",
@@ -220,12 +222,19 @@ class LightningAdapter:
     # ------------------------------------------------------------------ reads and writes of private state
 
     @staticmethod
-    def size_epoch(trainer: Trainer, batches: int) -> None:
-        """Tell Lightning the epoch has ``batches`` batches (before ``limit_train_batches``)."""
+    def size_epoch(trainer: Trainer, batches: int, mid_epoch: bool = False) -> None:
+        """Tell Lightning the epoch has ``batches`` batches (before ``limit_train_batches``); ``mid_epoch``: re-sized
+        at a batch's end, before that batch's validation check."""
         loop = trainer.fit_loop
+        done = loop.epoch_loop.batch_idx if mid_epoch else 0
+        old_batches, old_check = trainer.num_training_batches, trainer.val_check_batch
         loop.max_batches = int(_parse_num_batches(RunningStage.TRAINING, batches, trainer.limit_train_batches))
         if isinstance(trainer.val_check_interval, float):
-            trainer.val_check_batch = max(1, int(trainer.num_training_batches * trainer.val_check_interval))
+            check = max(1, int(trainer.num_training_batches * trainer.val_check_interval))
+            new_batches = trainer.num_training_batches
+            if done > 0 and isinstance(old_check, int) and isinstance(old_batches, int):  # finite lengths
+                check = val_check_after_resize(check, old_check, old_batches, int(new_batches), done)
+            trainer.val_check_batch = check
         try:
             bar = trainer.progress_bar_callback.train_progress_bar  # type: ignore[union-attr]
         except (AttributeError, TypeError):  # no bar, not tqdm, or not created yet

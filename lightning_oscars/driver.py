@@ -168,7 +168,7 @@ class RoundDriver:
         )
         if outcome.resized:
             assert self.loader is not None and rounds.plan is not None
-            LightningAdapter.size_epoch(trainer, rounds.plan.total_slots * self.loader.batches_per_slot)
+            LightningAdapter.size_epoch(trainer, rounds.plan.total_slots * self.loader.batches_per_slot, mid_epoch=True)
         if outcome.stop:
             trainer.should_stop = True
         if outcome.sigterm:

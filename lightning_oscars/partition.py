@@ -45,6 +45,7 @@ __all__ = [
     "planned_slots",
     "round_quotas",
     "split_proportionally",
+    "val_check_after_resize",
 ]
 
 
@@ -300,12 +301,17 @@ class EpochPlan:
         shrink: bool = False,
         reserve: Sequence[int] | None = None,
         units_per_round: float = 0.0,
+        max_slots: int | None = None,
     ) -> None:
         """Re-plan every round from ``start_slot`` (which must start a round) with new local steps.
 
         With ``shrink``, an epoch sized as an upper bound (speeds unknown) is cut to the slots the new local
         steps need for the units left; otherwise ``total_slots`` is kept and spare slots become no-ops. With
-        ``reserve``, deadline rounds expected to train ``units_per_round``; the epoch is sized by
+        ``max_slots`` (the loader's length), an epoch of plain rounds is re-sized to exactly the slots the new local
+        steps need, grown up to ``max_slots`` or cut: kept at its old size, a schedule that trains fewer units per
+        slot than the one the epoch was sized for would push every rank beyond its local steps until the epoch ends
+        (the slow rank most, so the fast ones wait), and one that trains more would end the epoch in idle slots.
+        With ``reserve``, deadline rounds expected to train ``units_per_round``; the epoch is sized by
         :func:`deadline_epoch_slots` when ``shrink``, and cut to its exact end once only plain rounds are left.
         """
         index = bisect.bisect_left(self._starts, start_slot)
@@ -318,6 +324,9 @@ class EpochPlan:
         if shrink and reserve is not None:
             needed = start_slot + deadline_epoch_slots(units_per_round or sum(local_steps), max(reserve), left)
             self.total_slots = max(start_slot, min(self.total_slots, needed))
+        elif reserve is None and max_slots is not None:
+            needed = start_slot + planned_slots(local_steps, left)
+            self.total_slots = max(start_slot, min(max(max_slots, self.total_slots), needed))
         elif shrink:
             needed = start_slot + planned_slots(local_steps, left)
             self.total_slots = max(start_slot, min(self.total_slots, needed))
@@ -385,3 +394,22 @@ class EpochPlan:
         plan.order = state.get("order")
         plan.progress = tuple(state.get("progress") or (0,) * world_size)
         return plan
+
+
+def val_check_after_resize(check: int, old_check: int, old_batches: int, new_batches: int, done: int) -> int:
+    """Lightning's ``val_check_batch`` for an epoch re-sized from ``old_batches`` to ``new_batches`` batches after
+    ``done`` of them passed their validation check (Lightning validates at every multiple of ``val_check_batch``).
+
+    ``check``, the interval's share of the new length, if the rest of the epoch then holds as many validations as
+    it did before. Otherwise (an epoch grown after its mid-epoch validation would validate once more) the smallest
+    divisor of ``new_batches`` from ``check`` on that holds no more, so the epoch still ends on a validation;
+    ``new_batches + 1`` (none) when none was left."""
+    due = old_batches // old_check - done // old_check
+    if new_batches // check - done // check == due:
+        return check
+    if due <= 0:
+        return new_batches + 1
+    for candidate in range(check, new_batches + 1):
+        if new_batches % candidate == 0 and new_batches // candidate - done // candidate <= due:
+            return candidate
+    return new_batches

@@ -27,12 +27,16 @@ from lightning_oscars.solver import (
     validate_step_times,
 )
 
-__all__ = ["SNAP_TOLERANCE", "SchedulePolicy", "Solver"]
+__all__ = ["SNAP_TOLERANCE", "SPEED_JUMP", "SchedulePolicy", "Solver"]
 
 Solver = Literal["exact", "alg1", "uniform"]
 SolveFn = Callable[[Sequence[float], float], Schedule]
 # Ranks whose measured step times differ by less than this are treated as equally fast (noise, not speed).
 SNAP_TOLERANCE = 0.05
+# A round's median this many times above or below a rank's estimate replaces the estimate instead of being smoothed
+# into it: a rank that turned 3x slower (a straggler, a shared node) is re-balanced for at once, not over several
+# rounds of a half-way estimate. Noise in a round's median stays well inside a factor of 2.
+SPEED_JUMP = 2.0
 
 
 def _solve_exact(
@@ -67,7 +71,8 @@ class SchedulePolicy:
         max_spread / max_local_steps / tolerance: the solver's bounds (see :func:`solve_schedule`).
         warmup_steps: local steps of every rank while no schedule is known (the profiling round).
         rebalance_threshold / min_gain: the re-balancing rule (see :func:`~lightning_oscars.solver.rebalance`).
-        smoothing: weight of the newest round's median in every rank's step-time moving average.
+        smoothing: weight of the newest round's median in every rank's step-time moving average (a median
+            :data:`SPEED_JUMP` times off the average replaces it).
         step_times: solve once from these times before the first round (no profiling round).
         local_steps: pin every round's local steps (nothing solved).
         resolve: re-solve when speeds drift; by default only when nothing is pinned.
@@ -195,7 +200,10 @@ class SchedulePolicy:
         for rank, median in enumerate(medians):
             if median > 0.0 and math.isfinite(median):
                 old = self.estimate[rank]
-                self.estimate[rank] = median if old <= 0.0 else self.smoothing * median + (1.0 - self.smoothing) * old
+                if old <= 0.0 or max(median / old, old / median) >= SPEED_JUMP:
+                    self.estimate[rank] = median
+                else:
+                    self.estimate[rank] = self.smoothing * median + (1.0 - self.smoothing) * old
         if self._solve is None or not all(t > 0.0 for t in self.estimate):
             return False
         if self.schedule is None:

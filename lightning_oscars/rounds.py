@@ -122,6 +122,7 @@ class RoundController:
         self._costs: deque[float] = deque(maxlen=COST_WINDOW)  # the last rounds' agreed fixed costs
         self.plan: EpochPlan | None = None
         self.planned_epoch = -1
+        self._slot_bound: int | None = None  # the loader's length: an epoch re-sized mid-way never outgrows it
         self.slot = SlotInfo(True, 0)
         self.failed = False  # this rank raised or its all-reduce broke: skip every further collective
         self._started = now()
@@ -211,6 +212,7 @@ class RoundController:
         """The plan of ``epoch`` over ``total_units`` units in at most ``bound`` slots (the loader's length). A
         plan restored from a checkpoint for this epoch is kept (resume mid-epoch)."""
         plan = self.plan
+        self._slot_bound = bound
         if plan is None or self.planned_epoch != epoch or plan.total_units != total_units:
             total_slots, self._upper_bound = self.policy.epoch_slots(total_units, bound)
             deadline_slots = self._deadline_slots(total_units)
@@ -406,7 +408,7 @@ class RoundController:
         # The first epoch was sized as an upper bound while speeds were unknown: cut it to what is needed.
         slots = plan.total_slots
         expected = self.deadline_round.expected_units if self.deadline_round is not None else 0.0
-        plan.replan(next_round, self.local_steps, self._upper_bound, reserve, expected)
+        plan.replan(next_round, self.local_steps, self._upper_bound, reserve, expected, self._slot_bound)
         self._replan_pending = False
         self._upper_bound = False
         return plan.total_slots != slots

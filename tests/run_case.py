@@ -96,17 +96,22 @@ class SendSignal(Callback):
 
 
 class SeenPerEpoch(Callback):
-    """Samples this rank trained on in each completed epoch."""
+    """Samples this rank trained on, and validations it ran, in each completed epoch."""
 
     def __init__(self) -> None:
         self.per_epoch: list[int] = []
-        self._before = 0
+        self.validations: list[int] = []
+        self._before = self._validated = 0
 
     def on_train_epoch_start(self, trainer, pl_module):
-        self._before = pl_module.seen
+        self._before, self._validated = pl_module.seen, 0
+
+    def on_validation_end(self, trainer, pl_module):
+        self._validated += not trainer.sanity_checking
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.per_epoch.append(pl_module.seen - self._before)
+        self.validations.append(self._validated)
 
 
 class FaultyModule(ToyModule):
@@ -442,7 +447,7 @@ def build(case: str, out: Path):
                 profiles[rank].append((t, rng.choice([1.0, 1.5, 2.0, 3.0, 4.0])))
                 t += rng.uniform(2.0, 4.0)
         module = ToyModule(step_cost=0.002, n=2048)
-        kwargs.update(max_epochs=10_000, max_time={"seconds": seconds}, limit_val_batches=1)
+        kwargs.update(max_epochs=10_000, max_time={"seconds": seconds}, limit_val_batches=1, val_check_interval=0.5)
         callbacks = [HeterogeneityEmulator(profiles, jitter=0.2)]
     elif case == "requeue":  # a SLURM-style SIGUSR1 on rank 1 only; its handler writes a checkpoint
         kwargs.update(default_root_dir=str(out), enable_checkpointing=True)
@@ -573,6 +578,7 @@ def main() -> None:
         lr=[g["lr"] for opt in trainer.optimizers for g in opt.param_groups],
         seen_at=seen_at.seen,
         seen_per_epoch=per_epoch.per_epoch,
+        validations_per_epoch=per_epoch.validations,
         handled_at=handled_at,
     )
     for name in ("optimizer_steps", "steps_per_epoch", "trained", "trained_steps"):

@@ -421,6 +421,9 @@ def test_soak_random_speed_changes_for_hundreds_of_rounds(tmp_path):
     for epoch, (a, b) in enumerate(zip(fast["seen_per_epoch"], slow["seen_per_epoch"])):
         if epoch < len(completed):
             assert a + b == 2048, (epoch, a, b)
+    # Speed changes re-size epochs mid-way (re-solved schedules): validation still runs twice per epoch, no more.
+    validations = fast["validations_per_epoch"][: len(completed)]
+    assert validations == [2] * len(completed), validations
     print(f"soak: {rounds} rounds, {len(completed)} epochs, {fast['global_step']} steps")
 
 

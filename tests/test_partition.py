@@ -9,6 +9,7 @@ from lightning_oscars.partition import (
     planned_slots,
     round_quotas,
     split_proportionally,
+    val_check_after_resize,
 )
 
 
@@ -121,3 +122,41 @@ def test_epoch_slot_bound_examples():
     assert max_epoch_slots(0, 4, 8, last_round=8) == 0
     with pytest.raises(ValueError):
         max_epoch_slots(10, 0, 8, last_round=8)
+
+
+@pytest.mark.parametrize("old, new", [((5, 8), (2, 5)), ((2, 5), (5, 8)), ((4, 4), (8, 1))])
+def test_replan_within_the_loader_bound_resizes_the_epoch_to_the_new_local_steps(old, new):
+    """Speeds swapped mid-epoch (the volatile profile): kept at its old size, the epoch would push the slow rank
+    beyond its local steps until the epoch ends (or end in idle slots); re-sized, every round but the last follows
+    the new local steps exactly, and every unit is still used once."""
+    units, bound = 600, max_epoch_slots(600, 2, 8, last_round=8)
+    kept = EpochPlan(2, units, planned_slots(old, units), old)
+    boundary = kept.rounds[3].start_slot
+    kept.replan(boundary, new)
+    off_schedule = [r.quotas for r in kept.rounds[3:-1] if r.quotas != new]
+    assert off_schedule or kept.rounds[-1].is_empty, "the old size does not fit the new steps (else nothing shown)"
+    needed = boundary + planned_slots(new, units - 3 * sum(old))
+    resized = EpochPlan(2, units, planned_slots(old, units), old)
+    resized.replan(boundary, new, max_slots=bound)
+    assert resized.total_slots == needed <= bound
+    assert all(r.quotas == new for r in resized.rounds[3:-1]) and not resized.rounds[-1].is_empty
+    assert sorted(all_units(resized.rounds, 2)) == list(range(units))
+    # Never beyond the loader's length: a bound too small for the new steps keeps what fits, data still once.
+    tight = EpochPlan(2, units, planned_slots(old, units), old)
+    tight.replan(boundary, new, max_slots=kept.total_slots)
+    assert tight.total_slots == min(kept.total_slots, needed)
+    assert sorted(all_units(tight.rounds, 2)) == list(range(units))
+
+
+def test_a_resized_epoch_keeps_its_number_of_validations():
+    # 100 batches validated at 50 and 100; grown to 130 after the first validation: only the end is left.
+    assert val_check_after_resize(65, 50, 100, 130, done=60) == 130
+    # Grown before the first validation: both move with the epoch.
+    assert val_check_after_resize(65, 50, 100, 130, done=20) == 65
+    # Cut to 80 after the first: the end (80) is still validated, nothing in between.
+    assert val_check_after_resize(40, 50, 100, 80, done=60) == 40  # 80 is its only multiple after 60
+    # Four validations per epoch, grown after the second: two are left, at the new epoch's 3/4 and end.
+    check = val_check_after_resize(50, 25, 100, 200, done=55)
+    assert 200 // check - 55 // check == 2 and 200 % check == 0
+    # Nothing left to validate (the epoch's last one passed): none in the rest of the grown epoch.
+    assert val_check_after_resize(60, 50, 100, 120, done=100) == 121

@@ -204,10 +204,10 @@ def test_step_times_are_smoothed_per_rank():
     policy.begin(2)
     assert not policy.observe([0.1, math.nan], 0.0)  # rank 1 measured nothing: nothing to solve from yet
     assert policy.estimate == [0.1, 0.0] and not policy.solved
-    assert not policy.observe([0.2, 0.0], 0.0)  # 0.0 also means "not measured"
-    assert policy.estimate == pytest.approx([0.25 * 0.2 + 0.75 * 0.1, 0.0])
+    assert not policy.observe([0.15, 0.0], 0.0)  # 0.0 also means "not measured"
+    assert policy.estimate == pytest.approx([0.25 * 0.15 + 0.75 * 0.1, 0.0])
     assert policy.observe([0.2, 0.4], 0.0)  # the first measurement of a rank is taken as it is
-    first = 0.25 * 0.2 + 0.75 * (0.25 * 0.2 + 0.75 * 0.1)
+    first = 0.25 * 0.2 + 0.75 * (0.25 * 0.15 + 0.75 * 0.1)
     assert policy.estimate == pytest.approx([first, 0.4])
     assert policy.schedule.step_times == pytest.approx(snap_step_times((first, 0.4), 0.05))
     assert policy.solves == 1
@@ -273,3 +273,16 @@ def test_a_rank_turning_3x_slower_is_rebalanced_within_a_few_rounds_despite_the_
         policy.observe([0.038, 0.114], 0.008)
         rounds += 1
     assert policy.local_steps[0] >= 2 * policy.local_steps[1] and rounds <= 3, (rounds, policy.local_steps)
+
+
+def test_a_speed_jump_replaces_the_estimate_and_noise_is_smoothed():
+    policy = SchedulePolicy(smoothing=0.5)
+    policy.begin(2)
+    policy.observe([0.03, 0.09], 0.005)
+    policy.observe([0.045, 0.09], 0.005)  # 1.5x: noise or drift, smoothed
+    assert policy.estimate == pytest.approx([0.0375, 0.09])
+    # The volatile profile: the ranks swap speeds (3x each way). Both estimates jump in one round, and the schedule
+    # follows the swap at once instead of passing through a half-way estimate.
+    assert policy.observe([0.09, 0.03], 0.005)
+    assert policy.estimate == pytest.approx([0.09, 0.03])
+    assert policy.local_steps[1] >= 2.5 * policy.local_steps[0], policy.local_steps

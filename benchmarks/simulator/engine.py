@@ -10,7 +10,7 @@ import numpy as np
 
 from benchmarks.simulator.cluster import Cluster, Load, Timeline, fit_to_remaining, lognormal, row_medians
 from benchmarks.simulator.policies import FixedPolicy, OscarsPolicy
-from lightning_oscars.partition import EpochPlan
+from lightning_oscars.partition import EpochPlan, val_check_after_resize
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.warmup import warmup_reservation
 
@@ -286,11 +286,12 @@ def simulate(
 
     ``planned`` (local SGD, oscars): rounds follow the strategy's ``EpochPlan``; an epoch that starts before the
     policy has a schedule is sized as the policy's upper bound (``epoch_slot_bound``, as the strategy sizes its
-    loader) and cut (``replan(shrink=True)``) when the first schedule is adopted; later changes re-plan at the
-    next round boundary; a validation (every ``val_check_interval`` of the epoch's slots) inside a round forces
-    an averaging. Otherwise (BSP) rounds of ``local_steps`` run until the epoch's units are used, the last one
-    cut in proportion (a ``DistributedSampler``'s even split). ``record_batch_size``: keep a per-averaging
-    history as the strategy writes it, with samples counted at this batch size.
+    loader) and cut (``replan(shrink=True)``) when the first schedule is adopted; later changes re-plan (and
+    re-size the epoch, within that bound) at the next round boundary; a validation (every ``val_check_interval`` of
+    the epoch's slots) inside a round forces an averaging. Otherwise (BSP) rounds of ``local_steps`` run until the
+    epoch's units are used, the last one cut in proportion (a ``DistributedSampler``'s even split).
+    ``record_batch_size``: keep a per-averaging history as the strategy writes it, with samples counted at this
+    batch size.
     """
     policy.begin(cluster.n)
     engine = _Engine(cluster, policy, allreduce_s, round_overhead_s, first_step_s, seed, record_batch_size)
@@ -322,7 +323,8 @@ def _even_epoch(engine: _Engine, units: int, val_check_interval: float | None) -
 def _planned_epoch(engine: _Engine, units: int, val_check_interval: float | None) -> None:
     """One epoch on ``EpochPlan`` as ``OscarsStrategy`` drives it: sized by the policy, cut once first solved."""
     n, policy = engine.n, engine.policy
-    total_slots, upper_bound = policy.epoch_slots(units, policy.epoch_slot_bound(units))
+    bound = policy.epoch_slot_bound(units)
+    total_slots, upper_bound = policy.epoch_slots(units, bound)
     engine.epoch_slots.append(total_slots)
     warmup = None
     if isinstance(policy, OscarsPolicy) and policy.timed_warmup and not policy.solved and engine.slots == 0:
@@ -347,11 +349,16 @@ def _planned_epoch(engine: _Engine, units: int, val_check_interval: float | None
         pending = engine.round(np.asarray(rnd.quotas, dtype=np.int64), rnd.length, cuts, at_end, draws) or pending
         slot = rnd.end_slot
         if pending and slot < plan.total_slots:
-            plan.replan(slot, policy.local_steps, shrink=upper_bound)
+            before = plan.total_slots
+            plan.replan(slot, policy.local_steps, shrink=upper_bound, max_slots=bound)
             pending = False
-            if upper_bound:
-                upper_bound = False
-                check = _val_check_batch(plan.total_slots, val_check_interval)
+            if plan.total_slots != before and check:  # re-sized as the strategy re-sizes Lightning's epoch
+                resized = _val_check_batch(plan.total_slots, val_check_interval)
+                assert resized is not None
+                check = (
+                    resized if upper_bound else val_check_after_resize(resized, check, before, plan.total_slots, slot)
+                )
+            upper_bound = False
 
 
 def timed_warmup_steps(draws: np.ndarray, warmup_steps: int, reserve: Sequence[int]) -> tuple[int, ...]:
