@@ -26,6 +26,7 @@ from lightning_oscars.solver import (
     solve_schedule_alg1,
     validate_step_times,
 )
+from lightning_oscars.warmup import warmup_reservation
 
 __all__ = ["SNAP_TOLERANCE", "SPEED_JUMP", "SchedulePolicy", "Solver"]
 
@@ -168,6 +169,15 @@ class SchedulePolicy:
     @property
     def solved(self) -> bool:
         return self.schedule is not None
+
+    @property
+    def warmup(self) -> int:
+        """Every rank's steps in the profiling round (``warmup_steps``, or fewer when ``max_steps`` is shorter)."""
+        return self._warmup
+
+    def warmup_reservation(self) -> int:
+        """Units every rank reserves in a time-boxed warm-up round (``warmup.py``)."""
+        return warmup_reservation(self._warmup, self.max_local_steps, self.max_spread)
 
     @property
     def local_steps(self) -> tuple[int, ...]:

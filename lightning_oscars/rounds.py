@@ -28,7 +28,7 @@ from lightning_oscars.loader import SlotInfo
 from lightning_oscars.partition import EpochPlan, Round, deadline_epoch_slots, deadline_round_fits
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.timing import LapClock, StepTimeEstimator, WallClock
-from lightning_oscars.warmup import WarmupGate, warmup_reservation
+from lightning_oscars.warmup import WarmupGate
 
 # Weight of the newest round in the moving average of every rank's step jitter (deadline rounds).
 JITTER_SMOOTHING = 0.3
@@ -221,10 +221,8 @@ class RoundController:
             warmup = None
             if self.warmup_gate is not None and not self.policy.solved and not self._warmup_planned:
                 self._warmup_planned = True
-                policy = self.policy
-                length = warmup_reservation(policy.local_steps[0], policy.max_local_steps, policy.max_spread)
-                warmup = (length,) * self.world_size
-                self.warmup_gate.warmup_steps = policy.local_steps[0]  # shortened to max_steps, if that is less
+                warmup = (self.policy.warmup_reservation(),) * self.world_size
+                self.warmup_gate.begin(self.policy.warmup)
             plan = self.plan = EpochPlan(
                 self.world_size, total_units, total_slots, self.local_steps, self.reserve, warmup_reserve=warmup
             )

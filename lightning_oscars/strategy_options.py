@@ -120,7 +120,7 @@ class OscarsOptions:
         policy = scheme.policy
         gate = None
         if self.timed_warmup and counter is not None and world_size > 1:
-            gate = WarmupGate(policy.warmup_steps, world_size, counter)
+            gate = WarmupGate(world_size, counter)
         return RoundController(
             policy,
             world_size,

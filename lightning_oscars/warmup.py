@@ -67,22 +67,29 @@ class WarmupGate:
     """Decides, for one rank, which slots of the time-boxed warm-up round are real steps.
 
     Args:
-        warmup_steps: steps every rank takes before it may stop.
         world_size: ranks that must finish their warm-up.
         counter: the shared counter of ranks that finished (``counter(1)`` announces, ``counter(0)`` reads).
 
-    The loader asks :meth:`is_due` as it fetches each slot (the pacer protocol of ``deadline.py``); the round
-    controller calls :meth:`trained` as each slot ends, with the units this rank trained in the round so far.
+    The round controller calls :meth:`begin` when it lays the warm-up round out (the policy's warm-up, which
+    ``max_steps`` may shorten, is known then); the loader asks :meth:`is_due` as it fetches each slot (the pacer
+    protocol of ``deadline.py``); the controller calls :meth:`trained` as each slot ends, with the units this rank
+    trained in the round so far.
     """
 
-    def __init__(self, warmup_steps: int, world_size: int, counter: Callable[[int], int]) -> None:
-        if warmup_steps < 1 or world_size < 1:
-            raise ValueError(f"invalid warm-up of {warmup_steps} steps on {world_size} ranks")
-        self.warmup_steps = warmup_steps
+    def __init__(self, world_size: int, counter: Callable[[int], int]) -> None:
+        if world_size < 1:
+            raise ValueError(f"invalid warm-up gate for {world_size} ranks")
         self.world_size = world_size
         self._counter = counter
+        self.warmup_steps = 0
         self.announced = False
         self.everyone_done = False
+
+    def begin(self, warmup_steps: int) -> None:
+        """The warm-up round is laid out: every rank takes ``warmup_steps`` steps before it may stop."""
+        if warmup_steps < 1:
+            raise ValueError(f"a warm-up takes at least one step, got {warmup_steps}")
+        self.warmup_steps = warmup_steps
 
     def _read(self, delta: int) -> int | None:
         try:

@@ -35,7 +35,8 @@ def test_the_reservation_leaves_room_for_a_faster_rank_within_the_solver_bounds(
 
 def test_the_gate_trains_the_warmup_then_until_every_other_rank_announced():
     counter = Counter()
-    gate = WarmupGate(3, world_size=3, counter=counter)
+    gate = WarmupGate(world_size=3, counter=counter)
+    gate.begin(3)
     assert all(gate.is_due(k, 12, taken=k, reserved=12, pending=0) for k in range(3))
     assert counter.reads == 0, "the warm-up's own steps read nothing"
     assert gate.is_due(3, 12, taken=3, reserved=12, pending=1), "nobody else is done"
@@ -51,14 +52,19 @@ def test_the_gate_trains_the_warmup_then_until_every_other_rank_announced():
     gate.trained(3)
     gate.trained(4)
     assert counter.value == 3, "announces once"
-    assert not WarmupGate(2, 2, Counter()).is_due(5, 6, taken=6, reserved=6, pending=0), "the reservation ran out"
+    short = WarmupGate(2, Counter())
+    short.begin(2)
+    assert not short.is_due(5, 6, taken=6, reserved=6, pending=0), "the reservation ran out"
+    with pytest.raises(ValueError, match="at least one step"):
+        short.begin(0)
 
 
 def test_a_rank_that_cannot_read_the_counter_stops_training_extra_steps():
     def broken(delta: int) -> int:
         raise ConnectionError("the store died with rank 0")
 
-    gate = WarmupGate(2, 2, broken)
+    gate = WarmupGate(2, broken)
+    gate.begin(2)
     assert gate.is_due(1, 8, taken=1, reserved=8, pending=0)
     assert not gate.is_due(2, 8, taken=2, reserved=8, pending=0)
     gate.trained(2)  # does not raise
@@ -92,7 +98,7 @@ def simulate(step_s: tuple[float, float], timed: bool, epochs: int = 1, accumula
     ranks = []
     for rank in range(2):
         policy = SchedulePolicy(warmup_steps=4, max_local_steps=16)
-        gate = WarmupGate(4, 2, counter) if timed else None
+        gate = WarmupGate(2, counter) if timed else None
         controller = RoundController(policy, 2, rank, warmup_gate=gate, clock=SimClock(clocks[rank]), now=clocks[rank])
         controller.begin_fit()
         ranks.append((controller, wired_loader(controller, data, rank, accumulate)))
@@ -166,3 +172,13 @@ def test_the_timed_warmup_keeps_every_sample_once_with_accumulation():
     for epoch in seen:
         assert sorted(epoch) == list(range(480))
     assert history[0].samples[0] > history[0].samples[1] == 4 * 4 * 3
+
+
+def test_the_controller_tells_the_gate_the_warmup_the_run_can_afford():
+    policy = SchedulePolicy(warmup_steps=4, max_local_steps=16, max_spread=8)
+    gate = WarmupGate(2, Counter())
+    controller = RoundController(policy, 2, 0, warmup_gate=gate)
+    controller.begin_fit(max_steps=3)  # a run shorter than the warm-up spends it all on measuring
+    plan = controller.plan_epoch(0, 200, 150)
+    assert gate.warmup_steps == 3 == policy.warmup
+    assert plan.rounds[0].warmup and plan.rounds[0].quotas == (policy.warmup_reservation(),) * 2 == (16, 16)

@@ -12,7 +12,6 @@ from benchmarks.simulator.cluster import Cluster, Load, Timeline, fit_to_remaini
 from benchmarks.simulator.policies import FixedPolicy, OscarsPolicy
 from lightning_oscars.partition import EpochPlan, val_check_after_resize
 from lightning_oscars.policy import SchedulePolicy
-from lightning_oscars.warmup import warmup_reservation
 
 __all__ = ["SimResult", "simulate", "simulate_bsp", "simulate_local_sgd", "simulate_oscars"]
 
@@ -328,7 +327,7 @@ def _planned_epoch(engine: _Engine, units: int, val_check_interval: float | None
     engine.epoch_slots.append(total_slots)
     warmup = None
     if isinstance(policy, OscarsPolicy) and policy.timed_warmup and not policy.solved and engine.slots == 0:
-        warmup = (warmup_reservation(policy.local_steps[0], policy.max_local_steps, policy.max_spread),) * n
+        warmup = (policy.warmup_reservation(),) * n
     plan = EpochPlan(n, units, total_slots, policy.local_steps, warmup_reserve=warmup)
     check = _val_check_batch(plan.total_slots, val_check_interval)
     slot, pending = 0, False
