@@ -1,0 +1,299 @@
+"""A parameter server inside the job, on torch.distributed point-to-point operations.
+
+Every rank is a *worker* (it trains) and the *server* of one contiguous shard of the model's flat parameters
+(:func:`shard_bounds`). A worker's iteration ends with one round trip per shard: it sends the shard's slice of its
+update (the delta of its local optimizer step) with its new clock, and the server answers with the shard's current
+parameters once the staleness rule (``staleness.py``) lets the worker start its next iteration. The waiting of
+BSP, SSP, DSSP and DASP is a reply the server holds back; ASP's server never holds one.
+
+Why a delta, applied as ``delta / world_size``: the user's optimizer runs unchanged on the worker (its state,
+momentum included, stays local), and for an update linear in the gradient the mean of the workers' deltas from
+the same parameters is exactly the step ddp takes on the mean gradient. So BSP on this server reproduces ddp's
+trajectory for SGD with or without momentum (a test proves it), and every paradigm has ddp's per-sample learning
+rate. A non-linear optimizer (Adam) gives the mean of the workers' steps instead: local SGD's usual reading.
+
+The rule runs on every shard's own clocks (the pushes that shard applied): a reply from shard ``j`` holds every
+update the rule requires *of shard* ``j``, which is the staleness guarantee, with one round trip and no coordinator.
+Shards see the same pushes per worker in order; stateful rules (DSSP's grants, DASP's states) may differ between
+shards for a moment, and a worker then waits for the strictest.
+
+Plumbing (gloo): two process groups made once, by every rank in the same order: requests (workers to servers)
+and replies (servers to workers), so that a server's receive-from-anyone never takes a reply. A worker posts its
+reply receives before it sends, and before it waits on its own shard, so that no server blocks sending a reply
+nobody receives. Its own shard it serves in-process (gloo has no send-to-self). Wire format: one flat float32
+buffer per message, a 4-number header and the shard's payload. Every wait has a timeout that names the rank it
+waited for. A worker that finishes sends STOP; its clock no longer holds anybody back, and a server thread ends
+once every other worker has stopped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_oscars.staleness import StalenessRule, WorkerTimes
+
+__all__ = ["ParameterServer", "Shard", "shard_bounds"]
+
+# Header of every request: operation, worker rank, the worker's clock after the push, its busy seconds.
+_HEADER = 4
+_PUSH, _PULL, _STOP = 1.0, 2.0, 3.0
+
+
+def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of every rank's shard of ``numel`` flat parameters: contiguous, sizes differing by at most
+    one, the larger ones first (a rank with an empty shard still serves it)."""
+    if numel < 0 or world_size < 1:
+        raise ValueError(f"cannot shard {numel} parameters over {world_size} ranks")
+    base, extra = divmod(numel, world_size)
+    bounds, start = [], 0
+    for rank in range(world_size):
+        end = start + base + (rank < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class Shard:
+    """One shard's parameters, every worker's clock on it and the rule's decisions. Pure: no torch.distributed;
+    thread-safe (the server thread and the local worker both use it).
+
+    Args:
+        values: the shard's parameters (owned: updated in place).
+        world_size: workers; every push is applied as ``delta / world_size``.
+        rule: when a worker may start its next iteration.
+        now: clock for the rule's timing (DSSP's predictions).
+    """
+
+    def __init__(
+        self, values: Tensor, world_size: int, rule: StalenessRule, now: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.values = values
+        self.world_size = world_size
+        self.rule = rule
+        self.clocks = [0] * world_size
+        self.times = WorkerTimes(world_size)
+        self.stopped: set[int] = set()
+        self.staleness: list[int] = []  # at every grant: the worker's clock minus the slowest running worker's
+        self._now = now
+        self._changed = threading.Condition()
+
+    def _effective(self) -> list[int]:
+        """Clocks as the rule sees them: a stopped worker holds nobody back."""
+        top = max(self.clocks) + 1
+        return [top + 1 if w in self.stopped else c for w, c in enumerate(self.clocks)]
+
+    def push(self, worker: int, delta: Tensor, clock: int, busy_s: float) -> None:
+        """Apply ``worker``'s update; ``clock`` is the number of updates it has pushed, this one included."""
+        with self._changed:
+            if delta.numel():
+                self.values.add_(delta, alpha=1.0 / self.world_size)
+            self.clocks[worker] = clock
+            now = self._now()
+            self.times.pushed(worker, now, busy_s)
+            self.rule.pushed(worker, self._effective(), self.times, now)
+            self._changed.notify_all()
+
+    def stop(self, worker: int) -> None:
+        with self._changed:
+            self.stopped.add(worker)
+            self._changed.notify_all()
+
+    def may_start(self, worker: int) -> bool:
+        with self._changed:
+            return self._allowed(worker)
+
+    def _allowed(self, worker: int) -> bool:
+        clocks = self._effective()
+        return self.rule.may_start(worker, clocks, self.times, self._now())
+
+    def grant(self, worker: int) -> Tensor:
+        """The parameters ``worker`` starts its next iteration from (call once :meth:`may_start` said so)."""
+        with self._changed:
+            running = [c for w, c in enumerate(self.clocks) if w not in self.stopped and w != worker]
+            self.staleness.append(self.clocks[worker] - min(running) if running else 0)
+            return self.values.clone()
+
+    def wait(self, worker: int, timeout_s: float) -> Tensor:
+        """Block until ``worker`` may start, then :meth:`grant` (the local worker's path)."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while not self._allowed(worker):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    waiting = [w for w in range(self.world_size) if w != worker and w not in self.stopped]
+                    raise TimeoutError(f"rank {worker} waited {timeout_s:.0f} s for ranks {waiting} to push")
+                self._changed.wait(min(left, 1.0))
+        return self.grant(worker)
+
+
+class ParameterServer:
+    """Every rank's part of the parameter server: the server of its own shard (a background thread) and the
+    worker's round trips to every shard. Collective to build (every rank, same order); see the module docstring.
+
+    Args:
+        flat: the initial parameters, flat (the same on every rank); copied.
+        rule: the staleness rule every shard applies.
+        group_factory: makes a process group over every rank (``torch.distributed.new_group`` by default).
+        timeout_s: the longest a worker waits for a reply before it names the server rank.
+    """
+
+    def __init__(
+        self,
+        flat: Tensor,
+        rule: StalenessRule,
+        *,
+        group_factory: Callable[[], Any] | None = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        make = group_factory or (lambda: dist.new_group(backend="gloo"))
+        self._requests: Any = make()
+        self._replies: Any = make()
+        self.bounds = shard_bounds(flat.numel(), self.world_size)
+        start, end = self.bounds[self.rank]
+        self.shard = Shard(flat.detach().to("cpu", torch.float32).reshape(-1)[start:end].clone(), self.world_size, rule)
+        self.timeout_s = float(timeout_s)
+        self.clock = 0
+        self.waited_s = 0.0
+        self._closed = False
+        self._error: BaseException | None = None
+        self._pending: list[int] = []  # remote workers whose reply from this shard waits for the rule
+        self._replying = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name=f"oscars-ps-{self.rank}", daemon=True)
+        self._thread.start()
+
+    @property
+    def numel(self) -> int:
+        return self.bounds[-1][1]
+
+    # ------------------------------------------------------------------ the server
+
+    def _serve(self) -> None:
+        start, end = self.bounds[self.rank]
+        buffer = torch.empty(_HEADER + end - start, dtype=torch.float32)
+        running = self.world_size - 1
+        try:
+            while running > 0:
+                src = dist.recv(buffer, group=self._requests)
+                op, worker = float(buffer[0]), int(buffer[1])
+                if worker != src:
+                    raise RuntimeError(f"request from rank {src} claims to come from rank {worker}")
+                if op == _STOP:
+                    running -= 1
+                    self.shard.stop(worker)
+                elif op == _PUSH:
+                    self.shard.push(worker, buffer[_HEADER:], int(buffer[2]), float(buffer[3]))
+                    with self._replying:
+                        self._pending.append(worker)
+                else:  # a pull: the current parameters, whatever the clocks
+                    with self._replying:
+                        dist.send(self.shard.grant(worker), dst=worker, group=self._replies)
+                self._answer()
+        except BaseException as error:  # noqa: BLE001 - a peer died: the workers' timeouts name it
+            self._error = error
+
+    def _answer(self) -> None:
+        """Reply to every remote worker the rule now lets start. Called by the server thread after each request and
+        by the local worker after its own push (which may release a remote worker while the server thread sleeps
+        in its receive)."""
+        with self._replying:
+            still = []
+            for waiting in self._pending:
+                if self.shard.may_start(waiting):
+                    dist.send(self.shard.grant(waiting), dst=waiting, group=self._replies)
+                else:
+                    still.append(waiting)
+            self._pending = still
+
+    # ------------------------------------------------------------------ the worker
+
+    def _round_trip(self, op: float, payload: Tensor | None, busy_s: float) -> Tensor:
+        """Send ``op`` to every remote shard (with its slice of ``payload``), handle the own shard, gather replies."""
+        out = torch.empty(self.numel, dtype=torch.float32)
+        receives = []
+        for server, (start, end) in enumerate(self.bounds):
+            if server != self.rank:
+                receives.append((server, dist.irecv(out[start:end], src=server, group=self._replies)))
+        sends = []
+        for server, (start, end) in enumerate(self.bounds):
+            if server == self.rank:
+                continue
+            message = torch.zeros(_HEADER + end - start, dtype=torch.float32)
+            message[:_HEADER] = torch.tensor([op, self.rank, self.clock, busy_s])
+            if payload is not None:
+                message[_HEADER:] = payload[start:end]
+            sends.append((server, dist.isend(message, dst=server, group=self._requests), message))
+        start, end = self.bounds[self.rank]
+        began = time.perf_counter()
+        if op == _PUSH:
+            assert payload is not None
+            self.shard.push(self.rank, payload[start:end], self.clock, busy_s)
+            self._answer()
+            out[start:end] = self.shard.wait(self.rank, self.timeout_s)
+        else:
+            out[start:end] = self.shard.grant(self.rank)
+        timeout = timedelta(seconds=self.timeout_s)
+        for server, work, _ in sends:
+            self._await(work, server, timeout)
+        for server, work in receives:
+            self._await(work, server, timeout)
+        self.waited_s += time.perf_counter() - began
+        return out
+
+    def _await(self, work: Any, server: int, timeout: timedelta) -> None:
+        try:
+            work.wait(timeout)
+        except Exception as error:
+            raise RuntimeError(
+                f"parameter server: rank {self.rank} got no answer from rank {server}'s shard within"
+                f" {timeout.total_seconds():.0f} s (that rank died, hung or stopped serving): {error}"
+            ) from error
+
+    def push_pull(self, delta: Tensor, busy_s: float = 0.0) -> Tensor:
+        """Push this worker's update ``delta`` (flat, like the parameters) and return the flat parameters to start
+        the next iteration from, once the rule allows. ``busy_s``: the iteration's compute time (the rules' timing)."""
+        if self._closed:
+            raise RuntimeError("the parameter server is closed")
+        if delta.numel() != self.numel:
+            raise ValueError(f"the update has {delta.numel()} elements, the parameters {self.numel}")
+        self.clock += 1
+        return self._round_trip(_PUSH, delta.detach().to("cpu", torch.float32).reshape(-1), busy_s)
+
+    def pull(self) -> Tensor:
+        """The server's current parameters, without pushing or waiting (validation, checkpoints, the end)."""
+        if self._closed:
+            raise RuntimeError("the parameter server is closed")
+        return self._round_trip(_PULL, None, 0.0)
+
+    def close(self) -> None:
+        """This worker is done: tell every server, then wait until this rank's server has served everyone. Every
+        rank calls it (its server ends when every other worker has stopped)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.shard.stop(self.rank)
+        self._answer()  # nobody waits for this worker any more
+        timeout = timedelta(seconds=self.timeout_s)
+        for server, (start, end) in enumerate(self.bounds):
+            if server != self.rank:
+                message = torch.zeros(_HEADER + end - start, dtype=torch.float32)
+                message[:_HEADER] = torch.tensor([_STOP, self.rank, self.clock, 0.0])
+                self._await(dist.isend(message, dst=server, group=self._requests), server, timeout)
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"parameter server: rank {self.rank}'s server still waits for other ranks to stop")
+        if self._error is not None:
+            raise RuntimeError(f"parameter server: rank {self.rank}'s server failed: {self._error}") from self._error
+
+    def staleness(self) -> Sequence[int]:
+        """Staleness at every grant of this rank's shard (see :class:`Shard`)."""
+        return list(self.shard.staleness)
