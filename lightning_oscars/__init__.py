@@ -1,6 +1,7 @@
 """lightning-oscars: load-balanced local SGD for heterogeneous clusters, as a Lightning strategy.
 
-Importing the package registers ``strategy="oscars"`` (and the fixed-period baseline ``"local_sgd"``)."""
+Importing the package registers ``strategy="oscars"`` (and the fixed-period baseline ``"local_sgd"``), and the
+parameter-server paradigms ``"bsp"``, ``"asp"``, ``"ssp"``, ``"dssp"`` and ``"dasp"``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,15 @@ from lightning_oscars.control import RoundRecord
 from lightning_oscars.heterogeneity import HeterogeneityEmulator, SlowdownProfile
 from lightning_oscars.loader import LoadBalancedLoader
 from lightning_oscars.monitor import ScheduleMonitor, round_metrics, summarize_history
+from lightning_oscars.paradigms import (
+    PARADIGMS,
+    ASPStrategy,
+    BSPStrategy,
+    DASPStrategy,
+    DSSPStrategy,
+    ParameterServerStrategy,
+    SSPStrategy,
+)
 from lightning_oscars.partition import EpochPlan, plan_rounds, planned_slots, round_quotas
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.rounds import RoundController, RoundOutcome
@@ -29,14 +39,20 @@ from lightning_oscars.strategy import OscarsStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "ASPStrategy",
+    "BSPStrategy",
+    "DASPStrategy",
+    "DSSPStrategy",
     "EpochPlan",
     "HeterogeneityEmulator",
     "LoadBalancedLoader",
     "ModelAveraging",
     "OscarsStrategy",
+    "ParameterServerStrategy",
     "RoundController",
     "RoundOutcome",
     "RoundRecord",
+    "SSPStrategy",
     "SUPPORTED_LIGHTNING",
     "Schedule",
     "ScheduleMonitor",
@@ -69,3 +85,6 @@ _REGISTERED: dict[str, tuple[str, dict[str, Any]]] = {
 for _name, (_description, _params) in _REGISTERED.items():
     if _name not in StrategyRegistry:
         StrategyRegistry.register(_name, OscarsStrategy, description=_description, **_params)
+for _name, (_cls, _description) in PARADIGMS.items():
+    if _name not in StrategyRegistry:
+        StrategyRegistry.register(_name, _cls, description=_description)

@@ -44,7 +44,7 @@ __all__ = ["ParameterServer", "Shard", "shard_bounds"]
 
 # Header of every request: operation, worker rank, the worker's clock after the push, its busy seconds.
 _HEADER = 4
-_PUSH, _PULL, _STOP = 1.0, 2.0, 3.0
+_PUSH, _PULL, _STOP, _END_ROUND = 1.0, 2.0, 3.0, 4.0
 
 
 def shard_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
@@ -81,14 +81,16 @@ class Shard:
         self.clocks = [0] * world_size
         self.times = WorkerTimes(world_size)
         self.stopped: set[int] = set()
-        self.staleness: list[int] = []  # at every grant: the worker's clock minus the slowest running worker's
+        self.idle: set[int] = set()  # ended their round: hold nobody back until their next push
+        self.staleness: list[int] = []  # at every grant: the worker's clock minus the slowest active worker's
+        self.held = 0  # replies the rule held back (never under ASP)
         self._now = now
         self._changed = threading.Condition()
 
     def _effective(self) -> list[int]:
-        """Clocks as the rule sees them: a stopped worker holds nobody back."""
+        """Clocks as the rule sees them: a stopped or idle worker holds nobody back."""
         top = max(self.clocks) + 1
-        return [top + 1 if w in self.stopped else c for w, c in enumerate(self.clocks)]
+        return [top + 1 if w in self.stopped or w in self.idle else c for w, c in enumerate(self.clocks)]
 
     def push(self, worker: int, delta: Tensor, clock: int, busy_s: float) -> None:
         """Apply ``worker``'s update; ``clock`` is the number of updates it has pushed, this one included."""
@@ -96,6 +98,7 @@ class Shard:
             if delta.numel():
                 self.values.add_(delta, alpha=1.0 / self.world_size)
             self.clocks[worker] = clock
+            self.idle.discard(worker)
             now = self._now()
             self.times.pushed(worker, now, busy_s)
             self.rule.pushed(worker, self._effective(), self.times, now)
@@ -106,9 +109,21 @@ class Shard:
             self.stopped.add(worker)
             self._changed.notify_all()
 
-    def may_start(self, worker: int) -> bool:
+    def end_round(self, worker: int) -> None:
+        """``worker`` met the others (or is about to): it holds nobody back until its next push, which counts
+        from clock 1 again."""
         with self._changed:
-            return self._allowed(worker)
+            self.idle.add(worker)
+            self.clocks[worker] = 0
+            self.rule.restart(worker)
+            self._changed.notify_all()
+
+    def may_start(self, worker: int, first: bool = False) -> bool:
+        """Whether ``worker`` may start its next iteration (``first``: the first time this push asks)."""
+        with self._changed:
+            allowed = self._allowed(worker)
+            self.held += first and not allowed
+            return allowed
 
     def _allowed(self, worker: int) -> bool:
         clocks = self._effective()
@@ -117,7 +132,7 @@ class Shard:
     def grant(self, worker: int) -> Tensor:
         """The parameters ``worker`` starts its next iteration from (call once :meth:`may_start` said so)."""
         with self._changed:
-            running = [c for w, c in enumerate(self.clocks) if w not in self.stopped and w != worker]
+            running = [c for w, c in enumerate(self.clocks) if w not in self.stopped | self.idle and w != worker]
             self.staleness.append(self.clocks[worker] - min(running) if running else 0)
             return self.values.clone()
 
@@ -125,6 +140,7 @@ class Shard:
         """Block until ``worker`` may start, then :meth:`grant` (the local worker's path)."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
+            self.held += not self._allowed(worker)
             while not self._allowed(worker):
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -192,8 +208,11 @@ class ParameterServer:
                     self.shard.stop(worker)
                 elif op == _PUSH:
                     self.shard.push(worker, buffer[_HEADER:], int(buffer[2]), float(buffer[3]))
+                    self.shard.may_start(worker, first=True)  # counts a held reply
                     with self._replying:
                         self._pending.append(worker)
+                elif op == _END_ROUND:
+                    self.shard.end_round(worker)
                 else:  # a pull: the current parameters, whatever the clocks
                     with self._replying:
                         dist.send(self.shard.grant(worker), dst=worker, group=self._replies)
@@ -274,21 +293,46 @@ class ParameterServer:
             raise RuntimeError("the parameter server is closed")
         return self._round_trip(_PULL, None, 0.0)
 
-    def close(self) -> None:
-        """This worker is done: tell every server, then wait until this rank's server has served everyone. Every
-        rank calls it (its server ends when every other worker has stopped)."""
+    def _tell(self, op: float) -> None:
+        """Send ``op`` (no payload, no reply) to every remote server and wait until it left."""
+        timeout = timedelta(seconds=self.timeout_s)
+        sends = []
+        for server, (start, end) in enumerate(self.bounds):
+            if server != self.rank:
+                message = torch.zeros(_HEADER + end - start, dtype=torch.float32)
+                message[:_HEADER] = torch.tensor([op, self.rank, self.clock, 0.0])
+                sends.append((server, dist.isend(message, dst=server, group=self._requests), message))
+        for server, work, _ in sends:
+            self._await(work, server, timeout)
+
+    def end_round(self) -> None:
+        """This worker's round is over (it is about to meet the others): it holds nobody back until its next push,
+        and its clock restarts. Call it before the round's collective, so that a worker the rule holds back for
+        this one is released and reaches the collective too."""
+        if self._closed:
+            raise RuntimeError("the parameter server is closed")
+        self.clock = 0
+        self.shard.end_round(self.rank)
+        self._answer()
+        self._tell(_END_ROUND)
+
+    def close(self, wait_s: float | None = None, strict: bool = True) -> None:
+        """This worker is done: tell every server, then wait (``wait_s``, by default the timeout) until this rank's
+        server has served everyone. Every rank calls it (its server ends when every other worker has stopped).
+        ``strict``: raise if the server is still waiting or failed (else leave its daemon thread to the process)."""
         if self._closed:
             return
         self._closed = True
         self.shard.stop(self.rank)
         self._answer()  # nobody waits for this worker any more
-        timeout = timedelta(seconds=self.timeout_s)
-        for server, (start, end) in enumerate(self.bounds):
-            if server != self.rank:
-                message = torch.zeros(_HEADER + end - start, dtype=torch.float32)
-                message[:_HEADER] = torch.tensor([_STOP, self.rank, self.clock, 0.0])
-                self._await(dist.isend(message, dst=server, group=self._requests), server, timeout)
-        self._thread.join(self.timeout_s)
+        try:
+            self._tell(_STOP)
+        except RuntimeError:
+            if strict:
+                raise
+        self._thread.join(self.timeout_s if wait_s is None else wait_s)
+        if not strict:
+            return
         if self._thread.is_alive():
             raise RuntimeError(f"parameter server: rank {self.rank}'s server still waits for other ranks to stop")
         if self._error is not None:

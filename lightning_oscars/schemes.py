@@ -48,6 +48,10 @@ class SyncScheme(ABC):
     def release(self) -> None:  # noqa: B027 - optional: most schemes hold nothing between fits
         """Drop buffers held between rounds (the end of a fit)."""
 
+    def after_step(self) -> None:  # noqa: B027 - optional: most schemes only act at a round's end
+        """This rank just took a real optimizer step (a parameter server pushes it here). Not collective: ranks
+        take different numbers of steps."""
+
     def bind(self, parameters: Iterable[Tensor]) -> None:  # noqa: B027 - optional
         """The module's trainable parameters, told once per fit before the first round (a scheme that treats
         them apart from buffers and optimizer state keeps them)."""

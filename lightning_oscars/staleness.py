@@ -96,6 +96,9 @@ class StalenessRule:
     def pushed(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> None:
         """``worker`` just pushed (its clock and ``times`` are already updated): adjust state."""
 
+    def restart(self, worker: int) -> None:  # noqa: B027 - optional: most rules keep no per-clock state
+        """``worker``'s clock restarts from 0 (everybody met at a round's end): forget state tied to its clocks."""
+
 
 class BSP(StalenessRule):
     name = "bsp"
@@ -147,6 +150,10 @@ class DSSP(StalenessRule):
                 self.granted[worker] = slowest
         return clocks[worker] - self.threshold(worker)
 
+    def restart(self, worker: int) -> None:
+        self.granted.pop(worker, None)
+        self._threshold.pop(worker, None)
+
     def _extra(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> int:
         """Further iterations ``r`` in ``0..s_range`` whose predicted end is closest to the slowest's next push."""
         own = times.iteration_s[worker]
@@ -172,6 +179,9 @@ class DASP(StalenessRule):
         self._strikes: dict[int, int] = {}
         self._offset: dict[int, int] = {}  # worker -> clocks it ran while asynchronous, not counted among the sync
         self.switches: list[tuple[float, int, str]] = []  # (time, worker, new state)
+
+    def restart(self, worker: int) -> None:
+        self._offset.pop(worker, None)
 
     def state(self, worker: int) -> str:
         return "async" if worker in self.asynchronous else "sync"

@@ -39,7 +39,14 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRando
 from toy import ToyModule, blobs  # noqa: E402
 
 import lightning_oscars  # noqa: E402,F401
-from lightning_oscars import HeterogeneityEmulator, OscarsStrategy  # noqa: E402
+from lightning_oscars import (  # noqa: E402
+    ASPStrategy,
+    DASPStrategy,
+    HeterogeneityEmulator,
+    OscarsStrategy,
+    ParameterServerStrategy,
+    SSPStrategy,
+)
 
 COLLECTIVES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list")
 
@@ -421,6 +428,17 @@ def build(case: str, out: Path):
         module = IndexedModule(n=480, batch_size=8, step_cost=0.004)
         strategy = OscarsStrategy(warmup_steps=2, timed_warmup=case == "timed_warmup")
         kwargs.update(max_epochs=2, val_check_interval=0.5, limit_val_batches=2)
+    elif case in ("ps_ssp", "ps_asp", "ps_dasp"):  # the parameter-server paradigms; rank 1 3x slower
+        module = IndexedModule(n=480, batch_size=8, step_cost=0.004)
+        kwargs.update(max_epochs=2, val_check_interval=0.5, limit_val_batches=2)
+        if case == "ps_ssp":
+            strategy = SSPStrategy(staleness=2, warmup_steps=2)
+        elif case == "ps_asp":
+            strategy = ASPStrategy(warmup_steps=2)
+        else:  # 3x slower for the first 2.5 s, then as fast as rank 0: out of the synchronous group and back
+            strategy = DASPStrategy(leave=1.3, rejoin=1.15, patience=2, warmup_steps=2)
+            callbacks = [HeterogeneityEmulator({1: [(0.0, 3.0), (2.5, 1.0)]})]
+            kwargs.update(max_epochs=4)
     elif case == "warmup_too_long":
         strategy = OscarsStrategy(warmup_steps=8)
         kwargs.update(max_epochs=-1, max_steps=5)
@@ -595,6 +613,8 @@ def main() -> None:
             num_averagings=s.num_averagings,
             schedule=list(s.schedule.local_steps) if s.schedule else None,
         )
+    if isinstance(s, ParameterServerStrategy):
+        result["ps"] = s.scheme.report  # type: ignore[attr-defined]
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

@@ -466,3 +466,28 @@ def test_deadline_rounds_resume_mid_round_without_losing_or_repeating_data(tmp_p
     assert sorted(before + after) == list(range(480)), "the resumed epoch trains exactly what was left"
     _epochs_complete({"trained": fast["trained"][1:]}, {"trained": slow["trained"][1:]}, 480)
     assert fast["epoch"] == first[0]["epoch"] == 3 and len(fast["trained"]) == 3
+
+
+def test_ssp_on_the_in_job_server_keeps_the_bound_and_lightning_semantics(tmp_path):
+    fast, slow = finished("ps_ssp", tmp_path)  # equal weights and global steps on both ranks, no hang
+    _epochs_complete(fast, slow, 480)
+    assert "val_loss" in fast["metrics"]
+    for r in (fast, slow):
+        assert r["ps"]["staleness"] and max(r["ps"]["staleness"]) <= 2, "never more than 2 updates ahead"
+    assert fast["ps"]["held"] + slow["ps"]["held"] > 0, "the fast rank was held back at the bound"
+    assert len(sum(fast["trained"], [])) > len(sum(slow["trained"], [])), "the faster rank took more of the data"
+
+
+def test_asp_on_the_in_job_server_never_waits(tmp_path):
+    fast, slow = finished("ps_asp", tmp_path)
+    _epochs_complete(fast, slow, 480)
+    assert fast["ps"]["held"] == slow["ps"]["held"] == 0
+    assert max(fast["ps"]["staleness"] + slow["ps"]["staleness"]) >= 2, "the fast rank ran ahead"
+    assert len(sum(fast["trained"], [])) >= 2 * len(sum(slow["trained"], []))
+
+
+def test_dasp_moves_a_slow_rank_out_of_the_synchronous_group_and_back(tmp_path):
+    fast, slow = finished("ps_dasp", tmp_path)
+    _epochs_complete(fast, slow, 480)
+    states = [state for r in (fast, slow) for _, worker, state in r["ps"]["switches"] if worker == 1]
+    assert "async" in states and states[-1] == "sync", states

@@ -1,0 +1,116 @@
+"""The parameter-server paradigms as a synchronisation scheme: :class:`ParameterServerScheme`.
+
+Rounds are deadline rounds (``deadline.py``): under a staleness rule a rank's steps per round are not known in
+advance, so each rank trains while its next step fits before the round's deadline. After every real optimizer
+step the rank pushes the step's delta to the in-job parameter server (``param_server.py``) and continues from the
+parameters it returns, once the rule lets it (:meth:`ParameterServerScheme.after_step`). At the round's end
+(:meth:`ParameterServerScheme.synchronize`, on every rank) the rank first tells the servers its round is over (it
+then holds nobody back, so a rank waiting on it is released and reaches the collective too), then one all-reduce
+carries the control data and averages what the server does not hold (buffers, averaged copies), then every rank
+loads the server's parameters: validation, checkpoints and the end of fit see one model. Clocks restart at every
+round's end, where everybody has met.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_oscars.param_server import ParameterServer
+from lightning_oscars.policy import SchedulePolicy
+from lightning_oscars.schemes import ModelAveraging
+from lightning_oscars.staleness import StalenessRule
+
+__all__ = ["ParameterServerScheme"]
+
+
+def _flat(tensors: Sequence[Tensor]) -> Tensor:
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors]) if tensors else torch.zeros(0)
+
+
+class ParameterServerScheme(ModelAveraging):
+    """Push and pull after every real step under ``make_rule()``'s staleness rule; meet at every round's end.
+
+    Args:
+        policy: the rounds' policy (deadline rounds are sized from its solved schedule).
+        make_rule: a fresh staleness rule for one fit.
+        device: where the round-end all-reduce runs.
+        timeout_s: the longest a worker waits for a server before it names the rank.
+    """
+
+    name = "parameter_server"
+
+    def __init__(
+        self,
+        policy: SchedulePolicy,
+        make_rule: Callable[[], StalenessRule],
+        device: torch.device | str = "cpu",
+        timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(policy, device)
+        self.make_rule = make_rule
+        self.timeout_s = timeout_s
+        self.server: ParameterServer | None = None
+        self._params: list[Tensor] = []
+        self._base: Tensor | None = None  # the flat parameters this rank last received
+        self._since = time.perf_counter()
+        # The last fit's server figures, kept after it stopped: the staleness of every grant of this rank's shard,
+        # the replies it held back, this worker's seconds in round trips, and the rule's state switches (DASP).
+        self.report: dict[str, Any] = {}
+
+    def bind(self, parameters: Iterable[Tensor]) -> None:
+        """Start this fit's server (collective: every rank, at the same point) from the module's parameters."""
+        self.release()
+        self._params = list(parameters)
+        self._base = _flat(self._params)
+        self.server = ParameterServer(self._base, self.make_rule(), timeout_s=self.timeout_s)
+        self._since = time.perf_counter()
+
+    def _load(self, flat: Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self._params:
+                n = p.numel()
+                p.copy_(flat[offset : offset + n].view_as(p))
+                offset += n
+        self._base = flat
+
+    def after_step(self) -> None:
+        """A real optimizer step just ended: push its delta, continue from what the server returns."""
+        if self.server is None or self._base is None:
+            return
+        busy = time.perf_counter() - self._since
+        self._load(self.server.push_pull(_flat(self._params) - self._base, busy_s=busy))
+        self._since = time.perf_counter()
+
+    def synchronize(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
+        server = self.server
+        if server is None:
+            return super().synchronize(tensors, control, weight_index)
+        server.end_round()  # nobody waits for this rank any more this round
+        held = {id(p) for p in self._params}
+        summed = super().synchronize([t for t in tensors if id(t) not in held], control, weight_index)
+        # Everybody is past the all-reduce, so every push of the round has been applied: one model for all.
+        self._load(server.pull())
+        self._since = time.perf_counter()
+        return summed
+
+    def release(self) -> None:
+        super().release()
+        server, self.server = self.server, None
+        if server is not None:
+            self.report = {
+                "staleness": list(server.staleness()),
+                "held": server.shard.held,
+                "waited_s": server.waited_s,
+                "switches": list(getattr(server.shard.rule, "switches", [])),
+            }
+            # Every rank releases at the fit's end; a peer that failed never stops its worker: do not wait long.
+            server.close(wait_s=60.0, strict=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
