@@ -48,7 +48,15 @@ CONFIGS = {
     # the levers, each on top of oscars-exact-uniform
     "oscars-deadline": ["--strategy", "oscars", "--option", "deadline_rounds=true"],
     "oscars-diloco": ["--strategy", "oscars", "--option", "outer_lr=0.7"],
+    # the parameter-server paradigms (lightning_oscars.paradigms), at their defaults unless named
+    "bsp": ["--strategy", "bsp"],
+    "asp": ["--strategy", "asp"],
+    "ssp-3": ["--strategy", "ssp", "--option", "staleness=3"],
+    "ssp-15": ["--strategy", "ssp", "--option", "staleness=15"],
+    "dssp": ["--strategy", "dssp"],
+    "dasp": ["--strategy", "dasp"],
 }
+PARADIGM_CONFIGS = ("bsp", "asp", "ssp-3", "ssp-15", "dssp", "dasp")
 PROFILES = {
     "homogeneous": "",
     "1x/2x": "1:2",
@@ -241,7 +249,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=None, help="default: 4 (cpu), 2 (gpu-like)")
     p.add_argument("--profiles", default="1x/2x,1x/3x,1x/5x,volatile,homogeneous")
     levers = ("local_sgd-matched", "oscars-deadline", "oscars-diloco")
-    p.add_argument("--configs", default=",".join(c for c in CONFIGS if c not in levers))
+    p.add_argument("--configs", default=",".join(c for c in CONFIGS if c not in levers + PARADIGM_CONFIGS))
     p.add_argument("--jitter", type=float, default=0.0, help="lognormal log-spread of every rank's step times")
     p.add_argument("--option", action="append", default=[], help="extra OscarsStrategy option (key=JSON) for oscars")
     p.add_argument("--out", default="benchmarks/results")

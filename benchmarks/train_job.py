@@ -20,6 +20,7 @@ import lightning_oscars  # noqa: E402,F401
 from benchmarks.task import BenchModule  # noqa: E402
 from lightning_oscars import OscarsStrategy  # noqa: E402
 from lightning_oscars.monitor import run_fraction_of_ideal  # noqa: E402
+from lightning_oscars.paradigms import PARADIGMS  # noqa: E402
 
 
 def summarize(model: BenchModule, history: list[dict], batch_size: int) -> dict:
@@ -50,7 +51,7 @@ def strategy_options(pairs: list[str]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--strategy", default="oscars", help="ddp, local_sgd or oscars")
+    p.add_argument("--strategy", default="oscars", help="ddp, local_sgd, oscars or a paradigm (asp, ssp, ...)")
     p.add_argument("--solver", default="exact")
     p.add_argument("--averaging", default="uniform")
     p.add_argument("--slowdown", default="1:3")
@@ -68,7 +69,11 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     model = BenchModule(slowdown=a.slowdown, step_ms=a.step_ms, hidden=a.hidden, n_train=a.n_train, jitter=a.jitter)
     options = {"solver": a.solver, "averaging": a.averaging, **strategy_options(a.option)}
-    strategy = OscarsStrategy(**options) if a.strategy == "oscars" else a.strategy
+    strategy: object = a.strategy
+    if a.strategy == "oscars":
+        strategy = OscarsStrategy(**options)
+    elif a.strategy in PARADIGMS:  # a parameter-server paradigm with its own options (staleness=15, ...)
+        strategy = PARADIGMS[a.strategy][0](**strategy_options(a.option))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -88,6 +93,8 @@ def main() -> None:
         s = trainer.strategy
         history = [r.as_dict() for r in getattr(s, "history", [])]
         name = a.strategy if a.strategy != "oscars" else f"oscars-{a.solver}-{a.averaging}"
+        if a.strategy in PARADIGMS and a.option:
+            name += "-" + ",".join(a.option)
         allreduce = [r["allreduce_time"] for r in history[1:]]
         result = {
             "strategy": name,
@@ -105,6 +112,8 @@ def main() -> None:
             # the strategy's own end-of-fit figure, for comparison with the benchmark's (same definition)
             "monitor_fraction_of_ideal": run_fraction_of_ideal(s.history) if history else None,
             **summarize(model, history, model.hparams.batch_size),
+            # a parameter server's figures on rank 0's shard: staleness of every grant, replies held back
+            "server": getattr(s.scheme, "report", None) if a.strategy in PARADIGMS else None,
         }
         with open(a.out, "w") as f:
             json.dump(result, f)

@@ -42,6 +42,7 @@ import lightning_oscars  # noqa: E402,F401
 from lightning_oscars import (  # noqa: E402
     ASPStrategy,
     DASPStrategy,
+    DSSPStrategy,
     HeterogeneityEmulator,
     OscarsStrategy,
     ParameterServerStrategy,
@@ -428,11 +429,13 @@ def build(case: str, out: Path):
         module = IndexedModule(n=480, batch_size=8, step_cost=0.004)
         strategy = OscarsStrategy(warmup_steps=2, timed_warmup=case == "timed_warmup")
         kwargs.update(max_epochs=2, val_check_interval=0.5, limit_val_batches=2)
-    elif case in ("ps_ssp", "ps_asp", "ps_dasp"):  # the parameter-server paradigms; rank 1 3x slower
+    elif case in ("ps_ssp", "ps_dssp", "ps_asp", "ps_dasp"):  # the parameter-server paradigms; rank 1 3x slower
         module = IndexedModule(n=480, batch_size=8, step_cost=0.004)
         kwargs.update(max_epochs=2, val_check_interval=0.5, limit_val_batches=2)
         if case == "ps_ssp":
             strategy = SSPStrategy(staleness=2, warmup_steps=2)
+        elif case == "ps_dssp":
+            strategy = DSSPStrategy(s_low=1, s_range=3, warmup_steps=2)
         elif case == "ps_asp":
             strategy = ASPStrategy(warmup_steps=2)
         else:  # 3x slower for the first 2.5 s, then as fast as rank 0: out of the synchronous group and back

@@ -468,12 +468,13 @@ def test_deadline_rounds_resume_mid_round_without_losing_or_repeating_data(tmp_p
     assert fast["epoch"] == first[0]["epoch"] == 3 and len(fast["trained"]) == 3
 
 
-def test_ssp_on_the_in_job_server_keeps_the_bound_and_lightning_semantics(tmp_path):
-    fast, slow = finished("ps_ssp", tmp_path)  # equal weights and global steps on both ranks, no hang
+@pytest.mark.parametrize("case, bound", [("ps_ssp", 2), ("ps_dssp", 1 + 3)])
+def test_ssp_and_dssp_on_the_in_job_server_keep_their_bound_and_lightning_semantics(case, bound, tmp_path):
+    fast, slow = finished(case, tmp_path)  # equal weights and global steps on both ranks, no hang
     _epochs_complete(fast, slow, 480)
     assert "val_loss" in fast["metrics"]
     for r in (fast, slow):
-        assert r["ps"]["staleness"] and max(r["ps"]["staleness"]) <= 2, "never more than 2 updates ahead"
+        assert r["ps"]["staleness"] and max(r["ps"]["staleness"]) <= bound, f"never more than {bound} ahead"
     assert fast["ps"]["held"] + slow["ps"]["held"] > 0, "the fast rank was held back at the bound"
     assert len(sum(fast["trained"], [])) > len(sum(slow["trained"], [])), "the faster rank took more of the data"
 
