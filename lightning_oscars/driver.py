@@ -130,7 +130,10 @@ class RoundDriver:
             return
         slot_done = (batch_idx + 1) % self.loader.batches_per_slot == 0 or batch_idx + 1 >= trainer.num_training_batches
         if self.rounds.slot.real and slot_done and not self.rounds.failed:
-            self.scheme.after_step()  # inside the step's measured time: a parameter server's wait is part of it
+            try:
+                self.scheme.after_step()  # inside the step's measured time: a parameter server's wait is part of it
+            except Exception as error:  # a peer died, raised or hung: name it, then stop
+                raise RuntimeError(self._collective_failure(error)) from error
         next_round = self.rounds.end_slot(batch_idx, self.loader.batches_per_slot, trainer.num_training_batches)
         if next_round is not None:
             self.average(trainer, next_round=next_round)

@@ -73,6 +73,18 @@ class FailureBoard:
         text = f"{type(error).__name__}: {error}"[:2000]
         self._set(f"{_PREFIX}/error/{rank}", text)
 
+    def errors(self) -> dict[int, str]:
+        """Errors any rank reported so far ({} when the store is unreachable)."""
+        found: dict[int, str] = {}
+        try:
+            for rank in range(self.world_size):
+                key = f"{_PREFIX}/error/{rank}"
+                if self.store.check([key]):
+                    found[rank] = self.store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the store died with rank 0: the caller's own error will say so
+            pass
+        return found
+
     def report_reached(self, rank: int, round_index: int) -> None:
         self._set(f"{_PREFIX}/reached/{round_index}/{rank}", "1")
 

@@ -136,8 +136,9 @@ class Shard:
             self.staleness.append(self.clocks[worker] - min(running) if running else 0)
             return self.values.clone()
 
-    def wait(self, worker: int, timeout_s: float) -> Tensor:
-        """Block until ``worker`` may start, then :meth:`grant` (the local worker's path)."""
+    def wait(self, worker: int, timeout_s: float, peer_failure: Callable[[], str | None] | None = None) -> Tensor:
+        """Block until ``worker`` may start, then :meth:`grant` (the local worker's path). ``peer_failure`` is asked
+        every second while waiting: a reason it returns (a peer reported an error) ends the wait."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             self.held += not self._allowed(worker)
@@ -147,6 +148,9 @@ class Shard:
                     waiting = [w for w in range(self.world_size) if w != worker and w not in self.stopped]
                     raise TimeoutError(f"rank {worker} waited {timeout_s:.0f} s for ranks {waiting} to push")
                 self._changed.wait(min(left, 1.0))
+                reason = peer_failure() if peer_failure is not None else None
+                if reason:
+                    raise RuntimeError(f"rank {worker} stopped waiting for its next iteration: {reason}")
         return self.grant(worker)
 
 
@@ -159,6 +163,8 @@ class ParameterServer:
         rule: the staleness rule every shard applies.
         group_factory: makes a process group over every rank (``torch.distributed.new_group`` by default).
         timeout_s: the longest a worker waits for a reply before it names the server rank.
+        peer_failure: asked about once a second while a worker waits on its own shard: a reason it returns (another
+            rank reported an error, e.g. in the rendezvous store) ends the wait instead of the timeout.
     """
 
     def __init__(
@@ -168,7 +174,9 @@ class ParameterServer:
         *,
         group_factory: Callable[[], Any] | None = None,
         timeout_s: float = 1800.0,
+        peer_failure: Callable[[], str | None] | None = None,
     ) -> None:
+        self.peer_failure = peer_failure
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         make = group_factory or (lambda: dist.new_group(backend="gloo"))
@@ -257,7 +265,7 @@ class ParameterServer:
             assert payload is not None
             self.shard.push(self.rank, payload[start:end], self.clock, busy_s)
             self._answer()
-            out[start:end] = self.shard.wait(self.rank, self.timeout_s)
+            out[start:end] = self.shard.wait(self.rank, self.timeout_s, self.peer_failure)
         else:
             out[start:end] = self.shard.grant(self.rank)
         timeout = timedelta(seconds=self.timeout_s)
@@ -269,6 +277,9 @@ class ParameterServer:
         return out
 
     def _await(self, work: Any, server: int, timeout: timedelta) -> None:
+        """Wait for one send or receive. Blocking: a gloo wait that timed out cannot be resumed. A peer that dies
+        closes its connection, which ends the wait at once; one that raised stops its worker (``close``), which
+        releases whoever waits for it."""
         try:
             work.wait(timeout)
         except Exception as error:

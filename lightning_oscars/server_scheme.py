@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from lightning_oscars.faults import FailureBoard
 from lightning_oscars.param_server import ParameterServer
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.schemes import ModelAveraging
@@ -30,6 +32,11 @@ __all__ = ["ParameterServerScheme"]
 
 def _flat(tensors: Sequence[Tensor]) -> Tensor:
     return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors]) if tensors else torch.zeros(0)
+
+
+def _first_error(board: FailureBoard) -> str | None:
+    errors = board.errors()
+    return "; ".join(f"rank {rank} failed: {text}" for rank, text in sorted(errors.items())) if errors else None
 
 
 class ParameterServerScheme(ModelAveraging):
@@ -67,7 +74,9 @@ class ParameterServerScheme(ModelAveraging):
         self.release()
         self._params = list(parameters)
         self._base = _flat(self._params)
-        self.server = ParameterServer(self._base, self.make_rule(), timeout_s=self.timeout_s)
+        board = FailureBoard.from_default_group(dist.get_world_size())
+        failure = None if board is None else lambda: _first_error(board)
+        self.server = ParameterServer(self._base, self.make_rule(), timeout_s=self.timeout_s, peer_failure=failure)
         self._since = time.perf_counter()
 
     def _load(self, flat: Tensor) -> None:

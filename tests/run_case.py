@@ -456,6 +456,10 @@ def build(case: str, out: Path):
         module = FaultyModule(case.split("_")[0], step_cost=0.004)
         strategy = OscarsStrategy(warmup_steps=2, timeout=timedelta(seconds=8))
         callbacks = []  # no emulator: it would stretch the injected hang by its slowdown factor
+    elif case == "ps_raise_rank1":  # rank 1 raises at its 5th step while rank 0 waits for it on the server
+        module = FaultyModule("raise", step_cost=0.004)
+        strategy = SSPStrategy(staleness=1, warmup_steps=2, timeout=timedelta(seconds=8))
+        callbacks = []
     elif case == "soak":  # both ranks change speed at random every 2-4 s, for SOAK_SECONDS
         import random
 

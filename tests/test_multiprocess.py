@@ -389,6 +389,13 @@ def test_a_rank_that_raises_is_named_by_the_others(tmp_path):
     assert survivor["error_after_s"] < 30
 
 
+def test_a_rank_that_raises_is_named_by_a_worker_waiting_for_it_on_the_server(tmp_path):
+    survivor, failed = run_case("ps_raise_rank1", tmp_path)
+    assert "injected failure in training_step" in failed["error"]
+    assert "Rank 1 failed: ValueError: injected failure in training_step" in survivor["error"], survivor["error"]
+    assert survivor["error_after_s"] < 30
+
+
 def test_a_hung_rank_is_named_after_the_collective_timeout(tmp_path):
     survivor, _ = run_case("hang_rank1", tmp_path)
     # Rank 1 sleeps 25 s inside a step; rank 0 gives up after the 8 s collective timeout, not after the hang.
