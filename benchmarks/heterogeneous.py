@@ -97,9 +97,17 @@ def run(args: list[str], epochs: int, slowdown: str, show: bool = False) -> dict
         leaked = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
         env = {k: v for k, v in os.environ.items() if k not in leaked}
         env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-        sink = None if show else subprocess.DEVNULL
-        subprocess.run(cmd, check=True, timeout=900, env=env, stdout=sink, stderr=sink)
-        return json.loads(out.read_text())
+        sink = None if show else subprocess.PIPE
+        for attempt in (1, 2):
+            done = subprocess.run(cmd, timeout=900, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
+            if done.returncode == 0 or out.exists():
+                # A run that wrote its result and then died (a process group's teardown at exit) still counts.
+                if done.returncode != 0:
+                    print(f"  (exit code {done.returncode} after writing its result: kept)", flush=True)
+                return json.loads(out.read_text())
+            tail = (done.stdout or "")[-2000:]
+            print(f"  run failed (exit code {done.returncode}, attempt {attempt} of 2):\n{tail}", flush=True)
+        raise RuntimeError(f"{' '.join(cmd)} failed twice")
 
 
 def base_step_time(runs: list[dict]) -> float | None:
@@ -282,19 +290,20 @@ def main() -> None:
                     flush=True,
                 )
         results[profile] = summarize(runs)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "regime": a.regime,
-        "regime_args": regime["args"],
-        "oscars_options": a.option,
-        "jitter": a.jitter,
-        "repeats": a.repeats,
-        "epochs": epochs,
-        "ranks": {k: ranks_of(PROFILES[k]) for k in results},
-        "profiles": {k: PROFILES[k] for k in results},
-    }
-    (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "profiles": results}, indent=1))
+        # Written after every profile: a long benchmark that breaks later keeps what it measured.
+        meta = {
+            "regime": a.regime,
+            "regime_args": regime["args"],
+            "oscars_options": a.option,
+            "jitter": a.jitter,
+            "repeats": a.repeats,
+            "epochs": epochs,
+            "ranks": {k: ranks_of(PROFILES[k]) for k in results},
+            "profiles": {k: PROFILES[k] for k in results},
+        }
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "profiles": results}, indent=1))
     setup = " ".join(regime["args"]) or "16,384 samples, real compute only"
     lines = [
         f"Regime `{a.regime}` ({setup}), {epochs} epochs, CPU ranks, {a.repeats} repeats (medians), interleaved.",
