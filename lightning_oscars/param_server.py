@@ -133,7 +133,8 @@ class Shard:
         """The parameters ``worker`` starts its next iteration from (call once :meth:`may_start` said so)."""
         with self._changed:
             running = [c for w, c in enumerate(self.clocks) if w not in self.stopped | self.idle and w != worker]
-            self.staleness.append(self.clocks[worker] - min(running) if running else 0)
+            # A worker behind everybody misses none of their updates: its staleness is 0, not negative.
+            self.staleness.append(max(0, self.clocks[worker] - min(running)) if running else 0)
             return self.values.clone()
 
     def wait(self, worker: int, timeout_s: float, peer_failure: Callable[[], str | None] | None = None) -> Tensor:
