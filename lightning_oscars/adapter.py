@@ -57,7 +57,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa:
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches  # noqa: E402
 from lightning.pytorch.trainer.states import RunningStage  # noqa: E402
 
-from lightning_oscars.partition import val_check_after_resize  # noqa: E402
+from lightning_oscars.partition import validations_after_resize  # noqa: E402
 
 __all__ = [
     "LightningAdapter",
@@ -83,6 +83,7 @@ class LightningAdapter:
         self._requeue: tuple[int, Any] | None = None
         self._pending_accumulation = False  # a partial unit's gradients wait for the epoch's next no-op slot
         self._manual_steps_per_batch = 0
+        self._validation_points: frozenset[int] | None = None  # where to validate after a mid-epoch re-size
 
     @property
     def installed(self) -> bool:
@@ -221,26 +222,42 @@ class LightningAdapter:
 
     # ------------------------------------------------------------------ reads and writes of private state
 
-    @staticmethod
-    def size_epoch(trainer: Trainer, batches: int, mid_epoch: bool = False) -> None:
+    def size_epoch(self, trainer: Trainer, batches: int, mid_epoch: bool = False) -> None:
         """Tell Lightning the epoch has ``batches`` batches (before ``limit_train_batches``); ``mid_epoch``: re-sized
-        at a batch's end, before that batch's validation check."""
+        at a batch's end, before that batch's validation check, and the rest of the epoch still runs the validations
+        it owed (see :meth:`pace_validation`)."""
         loop = trainer.fit_loop
         done = loop.epoch_loop.batch_idx if mid_epoch else 0
-        old_batches, old_check = trainer.num_training_batches, trainer.val_check_batch
+        due = self._validations_due(trainer, done) if mid_epoch else None
         loop.max_batches = int(_parse_num_batches(RunningStage.TRAINING, batches, trainer.limit_train_batches))
+        self._validation_points = None
         if isinstance(trainer.val_check_interval, float):
-            check = max(1, int(trainer.num_training_batches * trainer.val_check_interval))
-            new_batches = trainer.num_training_batches
-            if done > 0 and isinstance(old_check, int) and isinstance(old_batches, int):  # finite lengths
-                check = val_check_after_resize(check, old_check, old_batches, int(new_batches), done)
-            trainer.val_check_batch = check
+            trainer.val_check_batch = max(1, int(trainer.num_training_batches * trainer.val_check_interval))
+            if due is not None and isinstance(trainer.num_training_batches, int):
+                points = validations_after_resize(done, trainer.num_training_batches, due)
+                self._validation_points = frozenset(points)
         try:
             bar = trainer.progress_bar_callback.train_progress_bar  # type: ignore[union-attr]
         except (AttributeError, TypeError):  # no bar, not tqdm, or not created yet
             bar = None
         if bar is not None and getattr(bar, "total", None) is not None:
             bar.total = trainer.num_training_batches  # tqdm: the epoch got shorter once speeds were known
+
+    def _validations_due(self, trainer: Trainer, done: int) -> int | None:
+        """How many validations the epoch holds after its first ``done`` batches; ``None`` for no batch count."""
+        if self._validation_points is not None:
+            return sum(point > done for point in self._validation_points)
+        batches, check = trainer.num_training_batches, trainer.val_check_batch
+        if trainer.check_val_every_n_epoch is None or not isinstance(batches, int) or not isinstance(check, int):
+            return None
+        return batches // check - done // check
+
+    def pace_validation(self, trainer: Trainer, batch_idx: int) -> None:
+        """At a batch's end, before Lightning's validation check: after a mid-epoch re-size, validate at exactly the
+        planned batches. Lightning validates where ``(batch_idx + 1) % val_check_batch == 0``."""
+        points = self._validation_points
+        if points is not None:
+            trainer.val_check_batch = batch_idx + 1 if batch_idx + 1 in points else trainer.num_training_batches + 1
 
     @staticmethod
     def resume_position(trainer: Trainer) -> int | None:

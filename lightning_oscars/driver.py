@@ -119,7 +119,7 @@ class RoundDriver:
             order = self.strategy.broadcast(mine, src=0)
         loader.start_epoch(plan, epoch, order, start_position=resume_at)
         self.adapter.start_epoch()
-        LightningAdapter.size_epoch(trainer, plan.total_slots * loader.batches_per_slot)
+        self.adapter.size_epoch(trainer, plan.total_slots * loader.batches_per_slot)
 
     def finish_slot(self, trainer: Trainer, batch_idx: int) -> None:
         """A batch finished its hooks: maybe end the round."""
@@ -137,6 +137,7 @@ class RoundDriver:
         next_round = self.rounds.end_slot(batch_idx, self.loader.batches_per_slot, trainer.num_training_batches)
         if next_round is not None:
             self.average(trainer, next_round=next_round)
+        self.adapter.pace_validation(trainer, batch_idx)
 
     def align_epoch_metrics(self, trainer: Trainer) -> None:
         """Match the epoch-end ``sync_dist`` reductions across ranks (see ``epoch_metrics.py``): one small
@@ -174,7 +175,7 @@ class RoundDriver:
         )
         if outcome.resized:
             assert self.loader is not None and rounds.plan is not None
-            LightningAdapter.size_epoch(trainer, rounds.plan.total_slots * self.loader.batches_per_slot, mid_epoch=True)
+            self.adapter.size_epoch(trainer, rounds.plan.total_slots * self.loader.batches_per_slot, mid_epoch=True)
         if outcome.stop:
             trainer.should_stop = True
         if outcome.sigterm:

@@ -45,7 +45,7 @@ __all__ = [
     "planned_slots",
     "round_quotas",
     "split_proportionally",
-    "val_check_after_resize",
+    "validations_after_resize",
 ]
 
 
@@ -396,20 +396,12 @@ class EpochPlan:
         return plan
 
 
-def val_check_after_resize(check: int, old_check: int, old_batches: int, new_batches: int, done: int) -> int:
-    """Lightning's ``val_check_batch`` for an epoch re-sized from ``old_batches`` to ``new_batches`` batches after
-    ``done`` of them passed their validation check (Lightning validates at every multiple of ``val_check_batch``).
+def validations_after_resize(done: int, new_batches: int, due: int) -> tuple[int, ...]:
+    """The batch counts (1-based) at which an epoch re-sized to ``new_batches`` batches, after ``done`` of them passed
+    their validation check, runs the ``due`` validations it still owed.
 
-    ``check``, the interval's share of the new length, if the rest of the epoch then holds as many validations as
-    it did before. Otherwise (an epoch grown after its mid-epoch validation would validate once more) the smallest
-    divisor of ``new_batches`` from ``check`` on that holds no more, so the epoch still ends on a validation;
-    ``new_batches + 1`` (none) when none was left."""
-    due = old_batches // old_check - done // old_check
-    if new_batches // check - done // check == due:
-        return check
-    if due <= 0:
-        return new_batches + 1
-    for candidate in range(check, new_batches + 1):
-        if new_batches % candidate == 0 and new_batches // candidate - done // candidate <= due:
-            return candidate
-    return new_batches
+    Evenly spaced over the rest of the epoch, the last at its end (an interval of the new length rarely fits: with
+    130 batches left after 40, no divisor of the length validates exactly twice). Fewer when fewer batches are left."""
+    left = new_batches - done
+    due = min(due, left)
+    return tuple(done + -(-k * left // due) for k in range(1, due + 1)) if due > 0 else ()

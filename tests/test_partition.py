@@ -9,7 +9,7 @@ from lightning_oscars.partition import (
     planned_slots,
     round_quotas,
     split_proportionally,
-    val_check_after_resize,
+    validations_after_resize,
 )
 
 
@@ -150,13 +150,17 @@ def test_replan_within_the_loader_bound_resizes_the_epoch_to_the_new_local_steps
 
 def test_a_resized_epoch_keeps_its_number_of_validations():
     # 100 batches validated at 50 and 100; grown to 130 after the first validation: only the end is left.
-    assert val_check_after_resize(65, 50, 100, 130, done=60) == 130
+    assert validations_after_resize(60, 130, due=1) == (130,)
     # Grown before the first validation: both move with the epoch.
-    assert val_check_after_resize(65, 50, 100, 130, done=20) == 65
-    # Cut to 80 after the first: the end (80) is still validated, nothing in between.
-    assert val_check_after_resize(40, 50, 100, 80, done=60) == 40  # 80 is its only multiple after 60
-    # Four validations per epoch, grown after the second: two are left, at the new epoch's 3/4 and end.
-    check = val_check_after_resize(50, 25, 100, 200, done=55)
-    assert 200 // check - 55 // check == 2 and 200 % check == 0
-    # Nothing left to validate (the epoch's last one passed): none in the rest of the grown epoch.
-    assert val_check_after_resize(60, 50, 100, 120, done=100) == 121
+    assert validations_after_resize(20, 130, due=2) == (75, 130)
+    # Cut to 60 after 40 batches, before the first validation: no divisor of 60 validates exactly twice after 40
+    # except 10, and for 61 batches none does; the points do.
+    assert validations_after_resize(40, 61, due=2) == (51, 61)
+    # Every case: exactly `due` points in the rest, increasing, the last at the end; fewer only if fewer batches.
+    for done in range(0, 40):
+        for new in range(done + 1, 60):
+            for due in range(0, 5):
+                points = validations_after_resize(done, new, due)
+                assert len(points) == min(due, new - done)
+                assert all(done < a < b for a, b in zip(points, points[1:])) and all(done < p <= new for p in points)
+                assert not points or points[-1] == new

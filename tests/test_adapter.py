@@ -1,0 +1,46 @@
+"""The adapter's reads and writes of Lightning's state, against a real Trainer and Lightning's own validation check."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_oscars.adapter import LightningAdapter
+
+
+def _validated_batches(trainer: pl.Trainer, adapter: LightningAdapter, length: int, resize: dict[int, int]) -> list:
+    """Walk one epoch of ``length`` batches as the training loop does; ``resize`` maps a batch index to the epoch's new
+    length at that batch's end (a re-solved schedule). Returns the 1-based batches Lightning's own check validates."""
+    loop = trainer.fit_loop.epoch_loop
+    loop._should_check_val_epoch = lambda: True  # type: ignore[method-assign]  # no model attached: validation is on
+    adapter.size_epoch(trainer, length)
+    validated, batch_idx = [], 0
+    while batch_idx < trainer.num_training_batches:
+        loop.batch_progress.current.ready = batch_idx + 1  # Lightning's batch_idx is ready - 1
+        loop.batch_progress.is_last_batch = batch_idx + 1 == trainer.num_training_batches
+        if batch_idx in resize:
+            adapter.size_epoch(trainer, resize[batch_idx], mid_epoch=True)
+        adapter.pace_validation(trainer, batch_idx)
+        if loop._should_check_val_fx(data_fetcher=None):  # type: ignore[arg-type]
+            validated.append(batch_idx + 1)
+        batch_idx += 1
+    return validated
+
+
+@pytest.mark.parametrize(
+    ("interval", "length", "resize", "expected"),
+    [
+        (0.5, 100, {}, [50, 100]),  # no re-size: Lightning's own points
+        (0.5, 100, {39: 61}, [50, 61]),  # cut before the first validation: both still run, the last at the end
+        (0.5, 100, {59: 130}, [50, 130]),  # grown after the first: only the end is left
+        (0.5, 100, {19: 130, 59: 90}, [75, 90]),  # re-sized twice: the second keeps the first's one left
+        (0.25, 100, {54: 200}, [25, 50, 127, 200]),  # two left of four, spread over the grown rest
+        (1.0, 100, {10: 37}, [37]),  # once per epoch: at its new end
+    ],
+)
+def test_a_resized_epoch_validates_as_often_as_planned(interval, length, resize, expected):
+    trainer = pl.Trainer(val_check_interval=interval, logger=False, enable_checkpointing=False, devices=1)
+    adapter = LightningAdapter(lambda: True, torch.device("cpu"))
+    validated = _validated_batches(trainer, adapter, length, resize)
+    assert validated == expected
