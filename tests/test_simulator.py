@@ -388,8 +388,9 @@ def test_validation_recovers_the_inputs_it_was_generated_with(fake_results):
     assert 0.02 < machine["load_time_s"] < 2.0
     assert machine["sources"]["ddp_overhead_s"] == "fit to the homogeneous ddp runs"
     steady = validation_inputs(results, "1x/3x", machine, config="oscars-exact-uniform")
-    # The load (sigma 0.1, correlated over 0.2 s) leaves ~3% standard error on a few seconds of simulated run.
-    assert steady.step_times == pytest.approx((0.008, 0.016), rel=0.08)
+    # The load (sigma 0.1, correlated over 0.2 s) leaves ~3% standard error on the median of two runs (4% on one:
+    # 40 seeds of the 1x/3x oscars run measured 0.00803 +- 0.00033 s for the 8 ms rank): 10% is over 3 of them.
+    assert steady.step_times == pytest.approx((0.008, 0.016), rel=0.10)
     assert steady.allreduce_s == pytest.approx(TRUTH["allreduce_s"])
     assert steady.load == pytest.approx((0.1, 0.1), abs=0.04)
     assert steady.sources["step_times"] == "own runs"
@@ -415,10 +416,11 @@ def test_validation_predicts_the_generated_runs(fake_results, tmp_path):
     for profile in report["profiles"].values():
         assert {r["config"] for r in profile["rows"]} == set(CONFIGS)
         for row in profile["rows"]:
-            assert abs(row["error"]["train_s"]) < 0.08, (profile["spec"], row["config"], row["error"])
+            # The inputs recovered from two noisy runs are off by up to ~9% (see the test above): so is the prediction.
+            assert abs(row["error"]["train_s"]) < 0.10, (profile["spec"], row["config"], row["error"])
             assert row["error"]["samples_per_s"] == pytest.approx(1 / (1 + row["error"]["train_s"]) - 1, abs=0.02)
         assert profile["speedup_vs_ddp"]["oscars-exact-uniform"]["error"] == pytest.approx(0.0, abs=0.1)
-    assert report["max_abs_train_error"] < 0.08
+    assert report["max_abs_train_error"] < 0.10
     subset = validate_against(fake_results, {"seeds": 1, "profiles": ["1x/3x"], "noop_s": 0.0})
     assert list(subset["profiles"]) == ["1x/3x"] and subset["sources"]["noop_s"] == "cli"
 

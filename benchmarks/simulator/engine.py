@@ -10,7 +10,7 @@ import numpy as np
 
 from benchmarks.simulator.cluster import Cluster, Load, Timeline, fit_to_remaining, lognormal, row_medians
 from benchmarks.simulator.policies import FixedPolicy, OscarsPolicy
-from lightning_oscars.partition import EpochPlan, val_check_after_resize
+from lightning_oscars.partition import EpochPlan, validations_after_resize
 from lightning_oscars.policy import SchedulePolicy
 
 __all__ = ["SimResult", "simulate", "simulate_bsp", "simulate_local_sgd", "simulate_oscars"]
@@ -330,16 +330,21 @@ def _planned_epoch(engine: _Engine, units: int, val_check_interval: float | None
         warmup = (policy.warmup_reservation(),) * n
     plan = EpochPlan(n, units, total_slots, policy.local_steps, warmup_reserve=warmup)
     check = _val_check_batch(plan.total_slots, val_check_interval)
+    points: frozenset[int] | None = None  # after a mid-epoch re-size: the slots that validate (as the adapter does)
+
+    def validates(count: int) -> bool:
+        return count in points if points is not None else bool(check) and count % check == 0
+
     slot, pending = 0, False
     while slot < plan.total_slots:
         rnd = plan.round_at(slot)
         if rnd.is_empty:
-            engine.idle_slots(rnd.end_slot - slot, (rnd.end_slot // check - slot // check) if check else 0)
+            engine.idle_slots(rnd.end_slot - slot, sum(validates(c) for c in range(slot + 1, rnd.end_slot + 1)))
             slot = rnd.end_slot
             continue
         engine.note_schedule()
-        cuts = [c - slot for c in range(slot + 1, rnd.end_slot) if check and c % check == 0]
-        at_end = bool(check) and rnd.end_slot % check == 0
+        cuts = [c - slot for c in range(slot + 1, rnd.end_slot) if validates(c)]
+        at_end = validates(rnd.end_slot)
         draws = None
         if rnd.warmup:  # the time-boxed warm-up: settled to the steps each rank started before the slowest was done
             draws = engine._draw(rnd.length)
@@ -352,11 +357,11 @@ def _planned_epoch(engine: _Engine, units: int, val_check_interval: float | None
             plan.replan(slot, policy.local_steps, shrink=upper_bound, max_slots=bound)
             pending = False
             if plan.total_slots != before and check:  # re-sized as the strategy re-sizes Lightning's epoch
-                resized = _val_check_batch(plan.total_slots, val_check_interval)
-                assert resized is not None
-                check = (
-                    resized if upper_bound else val_check_after_resize(resized, check, before, plan.total_slots, slot)
-                )
+                if upper_bound:
+                    check, points = _val_check_batch(plan.total_slots, val_check_interval), None
+                else:
+                    due = sum(validates(c) for c in range(slot + 1, before + 1))
+                    points = frozenset(validations_after_resize(slot, plan.total_slots, due))
             upper_bound = False
 
 
