@@ -55,8 +55,11 @@ CONFIGS = {
     "ssp-15": ["--strategy", "ssp", "--option", "staleness=15"],
     "dssp": ["--strategy", "dssp"],
     "dasp": ["--strategy", "dasp"],
+    # the decentralized paradigm: Ripples' partial all-reduce in groups
+    "ripples-smart": ["--strategy", "ripples", "--option", "generator=smart"],
+    "ripples-random": ["--strategy", "ripples", "--option", "generator=random"],
 }
-PARADIGM_CONFIGS = ("bsp", "asp", "ssp-3", "ssp-15", "dssp", "dasp")
+PARADIGM_CONFIGS = ("bsp", "asp", "ssp-3", "ssp-15", "dssp", "dasp", "ripples-smart", "ripples-random")
 PROFILES = {
     "homogeneous": "",
     "1x/2x": "1:2",
@@ -66,6 +69,11 @@ PROFILES = {
     "volatile": "1:3@0,1@3;0:1@0,3@3",
     # 4 ranks of three speeds
     "1x/1x/2x/4x": "2:2;3:4",
+    # 4 ranks, one of them slow or changing (the paradigm benchmark's 4-rank cluster)
+    "4r-equal": "3:1",
+    "4r-one-2x": "3:2",
+    "4r-one-5x": "3:5",
+    "4r-volatile": "3:3@0,1@3;0:1@0,3@3",
 }
 REGIMES = {
     "cpu": {"args": [], "epochs": 4},

@@ -20,7 +20,7 @@ import lightning_oscars  # noqa: E402,F401
 from benchmarks.task import BenchModule  # noqa: E402
 from lightning_oscars import OscarsStrategy  # noqa: E402
 from lightning_oscars.monitor import run_fraction_of_ideal  # noqa: E402
-from lightning_oscars.paradigms import PARADIGMS  # noqa: E402
+from lightning_oscars.paradigms import PARADIGMS, ParameterServerStrategy, RipplesStrategy  # noqa: E402
 
 
 def summarize(model: BenchModule, history: list[dict], batch_size: int) -> dict:
@@ -41,11 +41,15 @@ def summarize(model: BenchModule, history: list[dict], batch_size: int) -> dict:
 
 
 def strategy_options(pairs: list[str]) -> dict:
-    """``--option max_local_steps=8 --option deadline=true``: values are JSON (numbers, booleans, lists)."""
+    """``--option max_local_steps=8 --option generator=smart``: values are JSON (numbers, booleans, lists), else
+    strings."""
     options = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
-        options[key] = json.loads(value)
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
     return options
 
 
@@ -113,7 +117,9 @@ def main() -> None:
             "monitor_fraction_of_ideal": run_fraction_of_ideal(s.history) if history else None,
             **summarize(model, history, model.hparams.batch_size),
             # a parameter server's figures on rank 0's shard: staleness of every grant, replies held back
-            "server": getattr(s.scheme, "report", None) if a.strategy in PARADIGMS else None,
+            "server": s.scheme.report if isinstance(s, ParameterServerStrategy) else None,
+            # ripples: groups performed, mean group size, seconds in groups on rank 0; how often each pair met
+            "groups": s.scheme.report if isinstance(s, RipplesStrategy) else None,
         }
         with open(a.out, "w") as f:
             json.dump(result, f)

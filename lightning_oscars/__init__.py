@@ -22,7 +22,9 @@ from lightning_oscars.paradigms import (
     DASPStrategy,
     DSSPStrategy,
     ParameterServerStrategy,
+    RipplesStrategy,
     SSPStrategy,
+    StepSyncStrategy,
 )
 from lightning_oscars.partition import EpochPlan, plan_rounds, planned_slots, round_quotas
 from lightning_oscars.policy import SchedulePolicy
@@ -49,10 +51,12 @@ __all__ = [
     "ModelAveraging",
     "OscarsStrategy",
     "ParameterServerStrategy",
+    "RipplesStrategy",
     "RoundController",
     "RoundOutcome",
     "RoundRecord",
     "SSPStrategy",
+    "StepSyncStrategy",
     "SUPPORTED_LIGHTNING",
     "Schedule",
     "ScheduleMonitor",

@@ -35,7 +35,9 @@ __all__ = [
     "averaged_tensors",
     "decode_integer_mean",
     "encode_integers",
+    "flat_copy",
     "layout_agreement",
+    "load_flat",
     "max_exact_ranks",
     "optimizer_state_layout",
 ]
@@ -221,6 +223,21 @@ def _chunks(flat: Tensor, tensors: Sequence[Tensor]) -> Iterator[tuple[Tensor, T
         n = tensor.numel()
         yield tensor, flat[offset : offset + n].view(tensor.shape)
         offset += n
+
+
+def flat_copy(tensors: Sequence[Tensor]) -> Tensor:
+    """The tensors' values as one float32 CPU buffer: the wire format of a parameter server's and a group's
+    exchanges (gloo, point to point)."""
+    if not tensors:
+        return torch.zeros(0)
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+
+
+def load_flat(tensors: Sequence[Tensor], flat: Tensor) -> None:
+    """Copy ``flat`` (as :func:`flat_copy` packs it) back into the tensors, in place."""
+    with torch.no_grad():
+        for tensor, chunk in _chunks(flat, tensors):
+            tensor.copy_(chunk)
 
 
 class FlatAverager:

@@ -29,7 +29,7 @@ from lightning_oscars.control import ControlData
 from lightning_oscars.epoch_metrics import align_epoch_metrics
 from lightning_oscars.faults import FailureBoard, describe_collective_failure
 from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, training_set_size
-from lightning_oscars.rounds import RoundController
+from lightning_oscars.rounds import RoundController, ends_slot
 from lightning_oscars.schemes import SyncScheme
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class RoundDriver:
             trainer.should_stop = False
         if self.loader is None:
             return
-        slot_done = (batch_idx + 1) % self.loader.batches_per_slot == 0 or batch_idx + 1 >= trainer.num_training_batches
+        slot_done = ends_slot(batch_idx, self.loader.batches_per_slot, trainer.num_training_batches)
         if self.rounds.slot.real and slot_done and not self.rounds.failed:
             try:
                 self.scheme.after_step()  # inside the step's measured time: a parameter server's wait is part of it

@@ -66,11 +66,12 @@ def run_fraction_of_ideal(history: Sequence[RoundRecord]) -> float:
     return steps / ideal if ideal > 0.0 else 0.0
 
 
-def summarize_history(history: Sequence[RoundRecord]) -> str:
-    """A few lines describing what the scheduler did over a run (pure; unit-tested). Its efficiency figure is
-    :func:`run_fraction_of_ideal`, the figure the demo and the benchmarks report."""
+def summarize_history(history: Sequence[RoundRecord], name: str = "oscars") -> str:
+    """A few lines describing what the scheduler did over a run (pure; unit-tested), headed by the strategy's
+    ``name``. Its efficiency figure is :func:`run_fraction_of_ideal`, the figure the demo and the benchmarks
+    report."""
     if not history:
-        return "oscars: no averaging round ran"
+        return f"{name}: no averaging round ran"
     n = len(history[0].local_steps)
     idle = [sum(r.idle_times[i] for r in history) for i in range(n)]
     allreduce = sum(r.allreduce_time for r in history)
@@ -78,7 +79,7 @@ def summarize_history(history: Sequence[RoundRecord]) -> str:
     last = history[-1]
     per_100 = 100.0 * rebalances / len(history)
     lines = [
-        f"oscars: {len(history)} rounds, {rebalances} schedule changes ({per_100:.1f} per 100 rounds),"
+        f"{name}: {len(history)} rounds, {rebalances} schedule changes ({per_100:.1f} per 100 rounds),"
         f" {run_fraction_of_ideal(history):.1%} of ideal throughput",
         f"  final tau per rank: {_short(list(last.local_steps))}",
         f"  final step time per rank (ms): {_short([round(1e3 * t, 2) for t in last.step_times])}",
@@ -148,7 +149,8 @@ class ScheduleMonitor(Callback):
         self._flush(trainer)
         history = _history(trainer)
         if self.summary and trainer.world_size > 1 and history:
-            rank_zero_info(summarize_history(history))
+            name = getattr(trainer.strategy, "strategy_name", "oscars")
+            rank_zero_info(summarize_history(history, name))
 
     def _flush(self, trainer: Trainer) -> bool:
         """Log the rounds recorded since the last call; return whether there were any."""

@@ -1,10 +1,12 @@
-"""The parameter-server paradigms as Lightning strategies: ``asp``, ``ssp``, ``dssp``, ``dasp`` (and ``bsp``).
+"""The paradigms of the seeds as Lightning strategies: the parameter server's ``asp``, ``ssp``, ``dssp``, ``dasp``
+(and ``bsp``), and the decentralized ``ripples``.
 
-Each is an :class:`OscarsStrategy` whose scheme is a
-:class:`~lightning_oscars.server_scheme.ParameterServerScheme` under one staleness rule (``staleness.py``), on
-deadline rounds: the padded slots, the data plan (every sample once per epoch; a faster rank takes more of it),
-validation, checkpoints, stop conditions, SIGTERM, resume and the failure reports are oscars' own. Options of
-oscars that do not apply (solver, averaging, outer steps, ...) are not offered.
+Each is an :class:`OscarsStrategy` that synchronises after every step, on deadline rounds: the padded slots, the
+data plan (every sample once per epoch; a faster rank takes more of it), validation, checkpoints, stop conditions,
+SIGTERM, resume and the failure reports are oscars' own. The parameter-server strategies use a
+:class:`~lightning_oscars.server_scheme.ParameterServerScheme` under one staleness rule (``staleness.py``);
+``ripples`` a :class:`~lightning_oscars.ripples.RipplesScheme`. Options of oscars that do not apply (solver,
+averaging, outer steps, ...) are not offered.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 
+from lightning_oscars.groups import Generator, validate_options
+from lightning_oscars.ripples import RipplesScheme
 from lightning_oscars.schemes import SyncScheme
 from lightning_oscars.server_scheme import ParameterServerScheme
 from lightning_oscars.staleness import ASP, BSP, DASP, DSSP, SSP, StalenessRule
@@ -28,12 +32,14 @@ __all__ = [
     "DASPStrategy",
     "DSSPStrategy",
     "ParameterServerStrategy",
+    "RipplesStrategy",
     "SSPStrategy",
+    "StepSyncStrategy",
 ]
 
 
-class ParameterServerStrategy(OscarsStrategy):
-    """Training on the in-job parameter server under a staleness rule (see the module docstring).
+class StepSyncStrategy(OscarsStrategy):
+    """A strategy that synchronises after every step (see the module docstring); subclasses make the scheme.
 
     Args:
         warmup_steps: steps every rank takes in the first round, which measures the step times the deadline
@@ -43,7 +49,7 @@ class ParameterServerStrategy(OscarsStrategy):
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
     """
 
-    strategy_name = "parameter_server"
+    strategy_name = "step_sync"
 
     def __init__(
         self,
@@ -61,7 +67,7 @@ class ParameterServerStrategy(OscarsStrategy):
         precision_plugin: Precision | None = None,
         **ddp_wrapper_kwargs: Any,
     ) -> None:
-        self.make_rule()  # validates the rule's options before anything is built
+        self.validate()  # the paradigm's options, before anything is built
         super().__init__(
             warmup_steps=warmup_steps,
             max_local_steps=max_local_steps,
@@ -80,19 +86,30 @@ class ParameterServerStrategy(OscarsStrategy):
             **ddp_wrapper_kwargs,
         )
 
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming a bad option of the paradigm."""
+        raise NotImplementedError
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout.total_seconds() if self._timeout is not None else 1800.0
+
+
+class ParameterServerStrategy(StepSyncStrategy):
+    """Training on the in-job parameter server under a staleness rule (see the module docstring); options as
+    :class:`StepSyncStrategy`'s."""
+
+    strategy_name = "parameter_server"
+
+    def validate(self) -> None:
+        self.make_rule()
+
     def make_rule(self) -> StalenessRule:
         """A fresh staleness rule for one fit."""
         raise NotImplementedError
 
     def make_scheme(self) -> SyncScheme:
-        seconds = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        return ParameterServerScheme(self.make_policy(), self.make_rule, timeout_s=seconds)
-
-    @property
-    def rule(self) -> StalenessRule | None:
-        """The current fit's rule as the own shard's server applies it (``None`` before a fit)."""
-        server = getattr(self.scheme, "server", None)
-        return None if server is None else server.shard.rule
+        return ParameterServerScheme(self.make_policy(), self.make_rule, timeout_s=self.timeout_s)
 
 
 class BSPStrategy(ParameterServerStrategy):
@@ -155,10 +172,62 @@ class DASPStrategy(ParameterServerStrategy):
         return DASP(self.leave, self.rejoin, self.patience)
 
 
-PARADIGMS: dict[str, tuple[type[ParameterServerStrategy], str]] = {
+class RipplesStrategy(StepSyncStrategy):
+    """Ripples (seed 001): after every step a worker averages its model with a group of workers (a partial
+    all-reduce); a generator on rank 0 makes the groups (``groups.py`` writes down our reading of Group Buffer and
+    Group Division); every round's end averages all ranks, so validation, checkpoints and the end of fit see one
+    model.
+
+    Args:
+        group_size: the most workers in a group (>= 2).
+        generator: ``"static"`` (a fixed rotating division, for homogeneous clusters), ``"random"`` (a random
+            division of the workers) or ``"smart"`` (the requester with the workers expected soonest, within
+            ``tolerance`` of its own step time: slow workers do not hold fast ones back).
+        buffer_size: a worker is given no new group while this many wait in its buffer beyond its current one.
+        tolerance: ``smart``: how long, in the requester's step times, a partner may be expected to take.
+        max_local_steps: the most steps of the fastest rank between two global averages.
+        Other options as :class:`StepSyncStrategy`'s.
+    """
+
+    strategy_name = "ripples"
+
+    def __init__(
+        self,
+        group_size: int = 3,
+        generator: Generator = "smart",
+        buffer_size: int = 2,
+        tolerance: float = 0.5,
+        max_local_steps: int = 32,
+        **kwargs: Any,
+    ) -> None:
+        self.group_size, self.generator, self.buffer_size, self.tolerance = (
+            group_size,
+            generator,
+            buffer_size,
+            tolerance,
+        )
+        super().__init__(max_local_steps=max_local_steps, **kwargs)
+
+    def validate(self) -> None:
+        # world_size is not known yet: a group larger than the cluster is simply the whole cluster
+        validate_options(1, self.group_size, self.generator, self.buffer_size, self.tolerance)
+
+    def make_scheme(self) -> SyncScheme:
+        options = {
+            "group_size": self.group_size,
+            "generator": self.generator,
+            "buffer_size": self.buffer_size,
+            "tolerance": self.tolerance,
+            "seed": self.seed if self.seed is not None else 0,
+        }
+        return RipplesScheme(self.make_policy(), options, timeout_s=self.timeout_s)
+
+
+PARADIGMS: dict[str, tuple[type[StepSyncStrategy], str]] = {
     "bsp": (BSPStrategy, "Parameter server, bulk synchronous (everybody waits for the slowest every iteration)"),
     "asp": (ASPStrategy, "Parameter server, asynchronous (nobody waits)"),
     "ssp": (SSPStrategy, "Parameter server, stale synchronous (at most `staleness` updates ahead of the slowest)"),
     "dssp": (DSSPStrategy, "Parameter server, dynamic SSP (threshold in [s_low, s_low + s_range] from the speeds)"),
     "dasp": (DASPStrategy, "Parameter server, dynamic adaptive (slow workers leave the synchronous group)"),
+    "ripples": (RipplesStrategy, "Decentralized: partial all-reduce with a group after every step (Ripples)"),
 }

@@ -251,15 +251,7 @@ class ParameterServer:
         for server, (start, end) in enumerate(self.bounds):
             if server != self.rank:
                 receives.append((server, dist.irecv(out[start:end], src=server, group=self._replies)))
-        sends = []
-        for server, (start, end) in enumerate(self.bounds):
-            if server == self.rank:
-                continue
-            message = torch.zeros(_HEADER + end - start, dtype=torch.float32)
-            message[:_HEADER] = torch.tensor([op, self.rank, self.clock, busy_s])
-            if payload is not None:
-                message[_HEADER:] = payload[start:end]
-            sends.append((server, dist.isend(message, dst=server, group=self._requests), message))
+        sends = self._send_to_servers(op, payload, busy_s)
         start, end = self.bounds[self.rank]
         began = time.perf_counter()
         if op == _PUSH:
@@ -276,6 +268,20 @@ class ParameterServer:
             self._await(work, server, timeout)
         self.waited_s += time.perf_counter() - began
         return out
+
+    def _send_to_servers(self, op: float, payload: Tensor | None, busy_s: float) -> list[tuple[int, Any, Tensor]]:
+        """Start sending ``op`` to every remote server, with its shard's slice of ``payload`` (zeros without one):
+        ``(server, work, message)``, the message kept alive until its send completes."""
+        sends = []
+        for server, (start, end) in enumerate(self.bounds):
+            if server == self.rank:
+                continue
+            message = torch.zeros(_HEADER + end - start, dtype=torch.float32)
+            message[:_HEADER] = torch.tensor([op, self.rank, self.clock, busy_s])
+            if payload is not None:
+                message[_HEADER:] = payload[start:end]
+            sends.append((server, dist.isend(message, dst=server, group=self._requests), message))
+        return sends
 
     def _await(self, work: Any, server: int, timeout: timedelta) -> None:
         """Wait for one send or receive. Blocking: a gloo wait that timed out cannot be resumed. A peer that dies
@@ -308,13 +314,7 @@ class ParameterServer:
     def _tell(self, op: float) -> None:
         """Send ``op`` (no payload, no reply) to every remote server and wait until it left."""
         timeout = timedelta(seconds=self.timeout_s)
-        sends = []
-        for server, (start, end) in enumerate(self.bounds):
-            if server != self.rank:
-                message = torch.zeros(_HEADER + end - start, dtype=torch.float32)
-                message[:_HEADER] = torch.tensor([op, self.rank, self.clock, 0.0])
-                sends.append((server, dist.isend(message, dst=server, group=self._requests), message))
-        for server, work, _ in sends:
+        for server, work, _ in self._send_to_servers(op, None, 0.0):
             self._await(work, server, timeout)
 
     def end_round(self) -> None:

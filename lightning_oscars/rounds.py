@@ -39,7 +39,7 @@ _MAD_TO_SIGMA = 0.6745
 # first round after validation cost more than a plain round, and must not re-solve the schedule each time.
 COST_WINDOW = 9
 
-__all__ = ["RoundController", "RoundOutcome"]
+__all__ = ["RoundController", "RoundOutcome", "ends_slot"]
 
 
 def step_jitter(seconds: list[float], reference: float) -> float:
@@ -76,6 +76,12 @@ class RoundOutcome:
     requeue: bool
     rebalanced: bool
     resized: bool
+
+
+def ends_slot(batch_idx: int, batches_per_slot: int, epoch_batches: float) -> bool:
+    """Whether batch ``batch_idx`` of the epoch is the last of its slot (a slot is ``batches_per_slot`` batches,
+    the epoch's last one possibly fewer)."""
+    return (batch_idx + 1) % batches_per_slot == 0 or batch_idx + 1 >= epoch_batches
 
 
 class RoundController:
@@ -263,8 +269,7 @@ class RoundController:
             self._slot_laps.append((slot, 0.0 if self._chained else self.slot.fetch_seconds or 0.0))
             self._round_samples += self.slot.samples
             self._chained = True  # the lap started the next interval
-        slot_done = (batch_idx + 1) % batches_per_slot == 0 or batch_idx + 1 >= epoch_batches
-        if not slot_done or slot >= plan.total_slots:
+        if not ends_slot(batch_idx, batches_per_slot, epoch_batches) or slot >= plan.total_slots:
             return None
         rnd = plan.round_at(slot)
         if rnd.warmup and self.warmup_gate is not None:

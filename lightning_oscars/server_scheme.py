@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_oscars.averaging import flat_copy, load_flat
 from lightning_oscars.faults import FailureBoard
 from lightning_oscars.param_server import ParameterServer
 from lightning_oscars.policy import SchedulePolicy
@@ -28,10 +29,6 @@ from lightning_oscars.schemes import ModelAveraging
 from lightning_oscars.staleness import StalenessRule
 
 __all__ = ["ParameterServerScheme"]
-
-
-def _flat(tensors: Sequence[Tensor]) -> Tensor:
-    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors]) if tensors else torch.zeros(0)
 
 
 def _first_error(board: FailureBoard) -> str | None:
@@ -73,19 +70,14 @@ class ParameterServerScheme(ModelAveraging):
         """Start this fit's server (collective: every rank, at the same point) from the module's parameters."""
         self.release()
         self._params = list(parameters)
-        self._base = _flat(self._params)
+        self._base = flat_copy(self._params)
         board = FailureBoard.from_default_group(dist.get_world_size())
         failure = None if board is None else lambda: _first_error(board)
         self.server = ParameterServer(self._base, self.make_rule(), timeout_s=self.timeout_s, peer_failure=failure)
         self._since = time.perf_counter()
 
     def _load(self, flat: Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self._params:
-                n = p.numel()
-                p.copy_(flat[offset : offset + n].view_as(p))
-                offset += n
+        load_flat(self._params, flat)
         self._base = flat
 
     def after_step(self) -> None:
@@ -93,7 +85,7 @@ class ParameterServerScheme(ModelAveraging):
         if self.server is None or self._base is None:
             return
         busy = time.perf_counter() - self._since
-        self._load(self.server.push_pull(_flat(self._params) - self._base, busy_s=busy))
+        self._load(self.server.push_pull(flat_copy(self._params) - self._base, busy_s=busy))
         self._since = time.perf_counter()
 
     def synchronize(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
@@ -120,6 +112,3 @@ class ParameterServerScheme(ModelAveraging):
             }
             # Every rank releases at the fit's end; a peer that failed never stops its worker: do not wait long.
             server.close(wait_s=60.0, strict=False)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}

@@ -46,6 +46,7 @@ from lightning_oscars import (  # noqa: E402
     HeterogeneityEmulator,
     OscarsStrategy,
     ParameterServerStrategy,
+    RipplesStrategy,
     SSPStrategy,
 )
 
@@ -442,6 +443,10 @@ def build(case: str, out: Path):
             strategy = DASPStrategy(leave=1.3, rejoin=1.15, patience=2, warmup_steps=2)
             callbacks = [HeterogeneityEmulator({1: [(0.0, 3.0), (2.5, 1.0)]})]
             kwargs.update(max_epochs=4)
+    elif case in ("ripples_smart", "ripples_random"):  # ripples with rank 1 3x slower; validation twice per epoch
+        module = IndexedModule(n=480, batch_size=8, step_cost=0.004)
+        kwargs.update(max_epochs=2, val_check_interval=0.5, limit_val_batches=2)
+        strategy = RipplesStrategy(generator=case.split("_")[1], group_size=2, warmup_steps=2, max_local_steps=16)
     elif case == "warmup_too_long":
         strategy = OscarsStrategy(warmup_steps=8)
         kwargs.update(max_epochs=-1, max_steps=5)
@@ -456,9 +461,12 @@ def build(case: str, out: Path):
         module = FaultyModule(case.split("_")[0], step_cost=0.004)
         strategy = OscarsStrategy(warmup_steps=2, timeout=timedelta(seconds=8))
         callbacks = []  # no emulator: it would stretch the injected hang by its slowdown factor
-    elif case == "ps_raise_rank1":  # rank 1 raises at its 5th step while rank 0 waits for it on the server
+    elif case in ("ps_raise_rank1", "ripples_raise_rank1"):  # rank 1 raises at its 5th step; rank 0 waits for it
         module = FaultyModule("raise", step_cost=0.004)
-        strategy = SSPStrategy(staleness=1, warmup_steps=2, timeout=timedelta(seconds=8))
+        if case == "ps_raise_rank1":  # on the server
+            strategy = SSPStrategy(staleness=1, warmup_steps=2, timeout=timedelta(seconds=8))
+        else:  # in a group
+            strategy = RipplesStrategy(generator="random", warmup_steps=2, timeout=timedelta(seconds=8))
         callbacks = []
     elif case == "soak":  # both ranks change speed at random every 2-4 s, for SOAK_SECONDS
         import random
@@ -622,6 +630,8 @@ def main() -> None:
         )
     if isinstance(s, ParameterServerStrategy):
         result["ps"] = s.scheme.report  # type: ignore[attr-defined]
+    if isinstance(s, RipplesStrategy):
+        result["ripples"] = s.scheme.report  # type: ignore[attr-defined]
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

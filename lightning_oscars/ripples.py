@@ -1,0 +1,235 @@
+"""Ripples (seed 001) on torch.distributed: groups of workers average their models after every iteration.
+
+* **Coordinator** (:class:`GroupCoordinator`): a thread on rank 0 runs the group generator
+  (:class:`~lightning_oscars.groups.GroupBoard`) over the rendezvous store's queues, on its own store connection.
+  Workers push requests onto one queue; the coordinator pops them in order and pushes each group onto every
+  member's own queue, which *is* the member's Group Buffer: first in, first out, one global order.
+* **Worker** (:class:`GroupClient`): after each iteration a worker asks (reporting how many groups it performed and
+  its busy time), pops its next group and averages with the members (:func:`partial_average`). At its round's end
+  it says so, performs what its queue still holds up to an end marker the coordinator appends (no group is made
+  with it afterwards), and joins the round's global all-reduce.
+* **Partial all-reduce**: every member sends its flat parameters to every other member and receives theirs over
+  point-to-point operations on one gloo group created at setup, then takes the mean in rank order (every member
+  computes the same sum). With ``k`` members that is ``k - 1`` sends per member: for the small groups Ripples uses
+  (2-4) it costs about one exchange's latency, and it needs no process group per subset of ranks (``2^n`` of
+  them, each created by every rank at setup).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_oscars.averaging import flat_copy, load_flat
+from lightning_oscars.groups import GroupBoard
+from lightning_oscars.policy import SchedulePolicy
+from lightning_oscars.schemes import ModelAveraging
+
+__all__ = ["GroupClient", "GroupCoordinator", "RipplesScheme", "partial_average"]
+
+_STOP = "S"
+_REQUEST = "R"
+_END = "E"
+_END_MARK = "end"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class GroupCoordinator:
+    """The group generator on one rank: a daemon thread popping requests from ``{prefix}/requests``.
+
+    Args:
+        store: a ``torch.distributed.Store`` with queues (cloned here: the thread blocks on its own connection).
+        prefix: unique per fit, the same on every rank.
+        board: the generator's state.
+    """
+
+    def __init__(self, store: Any, prefix: str, board: GroupBoard) -> None:
+        self.board = board
+        self.prefix = prefix
+        self._control = store  # stop() pushes here: the thread's own connection is busy in its blocking pop
+        self._store = store.clone()
+        self._store.set_timeout(timedelta(days=365))  # waits for requests for as long as the fit lasts
+        self._ends = [0] * board.world_size
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="oscars-ripples-groups", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                op, *fields = _text(self._store.queue_pop(f"{self.prefix}/requests")).split(",")
+                if op == _STOP:
+                    return
+                worker = int(fields[0])
+                if op == _REQUEST:
+                    placements = self.board.request(worker, int(fields[1]), time.monotonic())
+                    for member, _, group in placements:
+                        self._store.queue_push(f"{self.prefix}/groups/{member}", ",".join(map(str, group)))
+                elif op == _END:
+                    self.board.end_round(worker)
+                    self._store.queue_push(f"{self.prefix}/groups/{worker}", _END_MARK)
+        except BaseException as error:  # noqa: BLE001 - the store went away (rank 0 exiting); workers see it too
+            self.error = error
+
+    def stop(self, wait_s: float = 10.0) -> None:
+        if self._thread.is_alive():
+            try:
+                self._control.queue_push(f"{self.prefix}/requests", _STOP)
+            except Exception:  # noqa: BLE001 - the store is gone: the daemon thread ends with the process
+                return
+            self._thread.join(wait_s)
+
+
+class GroupClient:
+    """One worker's side: ask for groups, receive them, say when the round ends."""
+
+    def __init__(self, store: Any, prefix: str, rank: int, timeout_s: float) -> None:
+        self.rank = rank
+        self.prefix = prefix
+        self._store = store.clone()
+        self._store.set_timeout(timedelta(seconds=timeout_s))
+        self.performed = 0  # groups taken from the buffer this fit
+
+    def next_group(self) -> tuple[int, ...]:
+        """Ask for the group after this iteration and take it from the buffer (it may already have been there)."""
+        self._store.queue_push(f"{self.prefix}/requests", f"{_REQUEST},{self.rank},{self.performed}")
+        group = self._pop()
+        if group is None:
+            raise RuntimeError("ripples: the group generator ended this rank's round while it was stepping")
+        return group
+
+    def end_round(self) -> list[tuple[int, ...]]:
+        """Leave the round: the groups left in the buffer, which must still be performed, in order."""
+        self._store.queue_push(f"{self.prefix}/requests", f"{_END},{self.rank}")
+        left = []
+        while (group := self._pop()) is not None:
+            left.append(group)
+        return left
+
+    def _pop(self) -> tuple[int, ...] | None:
+        item = _text(self._store.queue_pop(f"{self.prefix}/groups/{self.rank}"))
+        if item == _END_MARK:
+            return None
+        self.performed += 1
+        return tuple(int(m) for m in item.split(","))
+
+
+def partial_average(flat: Tensor, members: Sequence[int], rank: int, group: Any, timeout: timedelta) -> Tensor:
+    """The members' mean of ``flat`` (a CPU tensor, the same size on every member), exchanged point to point."""
+    others = [m for m in members if m != rank]
+    received = {m: torch.empty_like(flat) for m in others}
+    works = [dist.irecv(received[m], src=m, group=group) for m in others]
+    works += [dist.isend(flat, dst=m, group=group) for m in others]
+    for work in works:
+        if work is not None:  # None only for a rank outside ``group``, which every member is in
+            work.wait(timeout)
+    total = torch.zeros_like(flat)
+    for m in sorted(members):  # one order on every member: the same mean, bit for bit
+        total += flat if m == rank else received[m]
+    return total / len(members)
+
+
+class RipplesScheme(ModelAveraging):
+    """A partial all-reduce with the worker's group after every real step; a global average at every round's end.
+
+    Args:
+        policy: the rounds' policy (deadline rounds, sized from its solved schedule).
+        board_options: :class:`~lightning_oscars.groups.GroupBoard`'s options (``group_size``, ``generator``,
+            ``buffer_size``, ``tolerance``, ``seed``).
+        device: where the round-end all-reduce runs.
+        timeout_s: the longest a worker waits for its group or a member before it gives up.
+    """
+
+    name = "ripples"
+
+    def __init__(
+        self,
+        policy: SchedulePolicy,
+        board_options: dict[str, Any],
+        device: torch.device | str = "cpu",
+        timeout_s: float = 1800.0,
+    ) -> None:
+        super().__init__(policy, device)
+        self.board_options = dict(board_options)
+        self.timeout_s = timeout_s
+        self.coordinator: GroupCoordinator | None = None
+        self.client: GroupClient | None = None
+        self._exchange_group: Any = None
+        self._params: list[Tensor] = []
+        self._fits = 0
+        self._rank = 0
+        # This fit's figures, kept after it stopped: the size of every group this rank performed, its seconds in
+        # groups (waiting for members and exchanging); on rank 0, how often each pair of ranks met.
+        self.sizes: list[int] = []
+        self.waited_s = 0.0
+        self.report: dict[str, Any] = {}
+
+    def bind(self, parameters: Iterable[Tensor]) -> None:
+        """Start this fit's groups (collective: every rank, at the same point)."""
+        from lightning_oscars.adapter import default_store
+
+        self.release()
+        self._params = list(parameters)
+        self._fits += 1
+        self.sizes, self.waited_s, self.report = [], 0.0, {}
+        if not dist.is_initialized() or dist.get_world_size() < 2:
+            return  # one process: nobody to average with
+        self._rank, n = dist.get_rank(), dist.get_world_size()
+        self._exchange_group = dist.new_group(backend="gloo")
+        prefix = f"oscars/ripples/{self._fits}"
+        store = default_store()
+        if self._rank == 0:
+            self.coordinator = GroupCoordinator(store, prefix, GroupBoard(n, **self.board_options))
+        self.client = GroupClient(store, prefix, self._rank, self.timeout_s)
+
+    def _perform(self, members: tuple[int, ...]) -> None:
+        self.sizes.append(len(members))
+        if len(members) > 1:
+            timeout = timedelta(seconds=self.timeout_s)
+            flat = partial_average(flat_copy(self._params), members, self._rank, self._exchange_group, timeout)
+            load_flat(self._params, flat)
+
+    def after_step(self) -> None:
+        """A real optimizer step just ended: average with this iteration's group."""
+        if self.client is None:
+            return
+        started = time.perf_counter()
+        self._perform(self.client.next_group())
+        self.waited_s += time.perf_counter() - started
+
+    def synchronize(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
+        if self.client is not None:
+            started = time.perf_counter()
+            for members in self.client.end_round():  # members still count on this rank for these
+                self._perform(members)
+            self.waited_s += time.perf_counter() - started
+        return super().synchronize(tensors, control, weight_index)
+
+    def release(self) -> None:
+        super().release()
+        coordinator, self.coordinator, self.client = self.coordinator, None, None
+        if self.sizes:
+            self.report = {
+                "groups": len(self.sizes),
+                "mean_group_size": sum(self.sizes) / len(self.sizes),
+                "waited_s": self.waited_s,
+            }
+        if coordinator is not None:
+            coordinator.stop()
+            n = coordinator.board.world_size
+            met = [[0] * n for _ in range(n)]
+            for group in coordinator.board.history:
+                for a in group:
+                    for b in group:
+                        met[a][b] += a != b
+            self.report["met"] = met

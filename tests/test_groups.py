@@ -1,0 +1,177 @@
+"""Ripples' group generator (pure): no conflicts, no deadlock, mixing, and smart groups around a slow worker."""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter
+
+import pytest
+
+from lightning_oscars.groups import GroupBoard, connected, mixing_matrix, static_division
+
+
+def drive(board: GroupBoard, step_s: list[float], steps: int, round_end_at: float | None = None, seed: int = 0):
+    """Drive ``board`` as ``ripples.py``'s workers do, in simulated time.
+
+    A worker ends a step, asks for its next group and waits at its buffer's head group; a group is performed (an
+    instant exchange) once every member waits at it as its head. ``round_end_at``: workers ending a step after this
+    time leave the round instead (``end_round``), perform what their buffers still hold, and wait at the barrier.
+    Raises on a deadlock (somebody waits and no event is left). Returns per worker the groups performed in order,
+    the seconds waited, and the steps done."""
+    rng = random.Random(seed)
+    n = len(step_s)
+    buffers: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
+    consumed, done, waited = [0] * n, [0] * n, [0.0] * n
+    sequence: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
+    waiting: dict[int, float] = {}
+    leaving: set[int] = set()
+    barrier: set[int] = set()
+    events = [(step_s[i] * rng.uniform(0.8, 1.2), i) for i in range(n)]
+    heapq.heapify(events)
+
+    def arrive(i: int, now: float) -> None:
+        if buffers[i]:
+            waiting[i] = now
+        else:
+            assert i in leaving, "a stepping worker always has a group after it asked"
+            barrier.add(i)
+
+    def perform_ready() -> None:
+        progressed = True
+        while progressed:
+            progressed = False
+            for i in list(waiting):
+                if i not in waiting:
+                    continue
+                group = buffers[i][0]
+                if not all(m in waiting and buffers[m][0] == group for m in group):
+                    continue
+                finish = max(waiting[m] for m in group)
+                for m in group:
+                    waited[m] += finish - waiting.pop(m)
+                    sequence[m].append(group)
+                    buffers[m].pop(0)
+                    consumed[m] += 1
+                    if m in leaving:
+                        arrive(m, finish)
+                    else:
+                        heapq.heappush(events, (finish + step_s[m] * rng.uniform(0.8, 1.2), m))
+                progressed = True
+
+    while events:
+        now, i = heapq.heappop(events)
+        done[i] += 1
+        if (round_end_at is not None and now >= round_end_at) or done[i] >= steps:
+            leaving.add(i)
+            assert board.end_round(i) == consumed[i] + len(buffers[i]), "the drain target is the buffer's end"
+            arrive(i, now)
+        else:
+            for member, index, group in board.request(i, consumed[i], now):
+                assert index == consumed[member] + len(buffers[member]), "buffer indices are consecutive"
+                buffers[member].append(group)
+            arrive(i, now)
+        perform_ready()
+    if waiting:
+        raise AssertionError(f"deadlock: {sorted(waiting)} wait at {[buffers[i][0] for i in sorted(waiting)]}")
+    assert barrier == set(range(n))
+    return sequence, waited, done
+
+
+@pytest.mark.parametrize("generator", ["static", "random", "smart"])
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_no_conflicting_groups_and_no_deadlock_over_many_random_schedules(generator, n):
+    for seed in range(30):
+        rng = random.Random(seed)
+        speeds = [rng.choice([1.0, 1.0, 2.0, 5.0]) * 0.01 for _ in range(n)]
+        board = GroupBoard(
+            n, group_size=rng.randint(2, n + 1), generator=generator, buffer_size=rng.randint(1, 3), seed=seed
+        )
+        end = rng.choice([None, 0.2])
+        sequence, _, _ = drive(board, speeds, steps=30, round_end_at=end, seed=seed)
+        # Every group of two or more the board made was performed exactly once, by each of its members.
+        performed = Counter(g for seq in sequence for g in seq if len(g) > 1)
+        made = Counter(board.history)
+        assert all(performed[g] == made[g] * len(g) for g in made) and set(performed) <= set(made)
+        # No conflicts: any two workers perform their common groups in one order (the board's global order).
+        position = {}
+        for k, g in enumerate(board.history):
+            position.setdefault(g, []).append(k)
+        for a in range(n):
+            for b in range(a + 1, n):
+                common_a = [g for g in sequence[a] if b in g]
+                common_b = [g for g in sequence[b] if a in g]
+                assert common_a == common_b
+        assert all(len(set(g)) == len(g) <= board.group_size for seq in sequence for g in seq)
+
+
+def test_static_divisions_are_disjoint_and_mix_everybody():
+    for n in range(2, 12):
+        for k in range(2, n + 1):
+            divisions = [static_division(n, k, d) for d in range(n)]
+            for division in divisions:
+                assert sorted(m for g in division for m in g) == list(range(n))  # a partition
+            # Consecutive divisions overlap: their union connects the cluster within two divisions.
+            assert connected(n, divisions[0] + divisions[1])
+
+
+def test_the_mixing_matrix_is_doubly_stochastic_and_the_groups_connect_the_cluster():
+    n = 6
+    board = GroupBoard(n, group_size=3, generator="random", seed=3)
+    drive(board, [0.01] * 5 + [0.05], steps=40)
+    for group in board.history:
+        w = mixing_matrix(n, group)
+        assert all(abs(sum(row) - 1) < 1e-12 for row in w)
+        assert all(abs(sum(w[i][j] for i in range(n)) - 1) < 1e-12 for j in range(n))
+        assert all(w[i][j] == w[j][i] for i in range(n) for j in range(n))
+    assert connected(n, board.history)
+    # A product of doubly stochastic matrices stays doubly stochastic and, over connected groups, contracts the
+    # spread of the workers' models towards their mean.
+    values = [float(i) for i in range(n)]
+    mean = sum(values) / n
+    for group in board.history:
+        w = mixing_matrix(n, group)
+        values = [sum(w[i][j] * values[j] for j in range(n)) for i in range(n)]
+    assert abs(sum(values) / n - mean) < 1e-9
+    assert max(values) - min(values) < 1e-3 * n
+
+
+def test_smart_groups_leave_a_slow_worker_out_of_most_fast_groups():
+    speeds = [0.01, 0.01, 0.01, 0.05]  # worker 3 is 5x slower
+    shares, waits = {}, {}
+    for generator in ("random", "smart"):
+        board = GroupBoard(4, group_size=2, generator=generator, seed=1)
+        _, waited, done = drive(board, speeds, steps=200)
+        fast_groups = [g for g in board.history if any(m != 3 for m in g)]
+        shares[generator] = sum(3 in g for g in fast_groups) / len(fast_groups)
+        waits[generator] = sum(waited[:3]) / sum(done[:3])
+        assert connected(4, board.history)  # the slow worker still mixes with the others
+        assert any(3 in g for g in board.history)
+    assert shares["smart"] < 0.35 and shares["smart"] < shares["random"] / 1.5
+    assert waits["smart"] < waits["random"] / 2  # fast workers hardly wait for the slow one
+
+
+def test_a_worker_that_left_the_round_is_not_grouped_until_it_asks_again():
+    board = GroupBoard(3, group_size=3, generator="random", seed=0)
+    assert [g for _, _, g in board.request(0, 0, 0.0)] == [(0,)]  # nobody else asked yet
+    assert [g for _, _, g in board.request(1, 0, 0.0)] == [(0, 1), (0, 1)]
+    assert [g for _, _, g in board.request(2, 0, 0.0)] == [(0, 1, 2)] * 3
+    assert board.end_round(2) == 1  # it still has to perform its one group before the round's all-reduce
+    placements = board.request(0, 3, 1.0)
+    assert placements and all(2 not in group for _, _, group in placements)
+    board.request(2, 1, 1.1)  # asks in the next round: back in
+    assert any(2 in group for _, _, group in board.request(1, board.assigned(1), 2.0))
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"group_size": 1}, "group_size"),
+        ({"generator": "nearest"}, "generator"),
+        ({"buffer_size": 0}, "buffer_size"),
+        ({"tolerance": -1.0}, "tolerance"),
+    ],
+)
+def test_bad_options_are_named(options, match):
+    with pytest.raises(ValueError, match=match):
+        GroupBoard(4, **options)
