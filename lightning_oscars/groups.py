@@ -20,8 +20,10 @@ Our reading of the seed, as implemented here and in ``ripples.py``:
     soonest, and only those expected within ``tolerance`` x the requester's own iteration time. A slow worker
     therefore joins fast ones when it is about to be ready (its own requests always find fast partners close to
     their step's end) instead of making them wait for most of its step.
-* **Rounds.** A worker that ends its round (the strategy's global average follows) is taken out: no group is made
-  with it until it asks again, and it performs the groups already in its buffer before the global all-reduce.
+* **Rounds.** Every worker takes part from the start. A worker that ends its round (the strategy's global average
+  follows) is taken out: no group is made with it, and it performs the groups already in its buffer before the
+  global all-reduce. The first request after a round's end comes from past that all-reduce, which every worker
+  reached, so all of them take part again from then.
 
 A group's partial all-reduce replaces every member's model by the members' mean: the mixing matrix is symmetric
 and doubly stochastic (:func:`mixing_matrix`); models mix across the whole cluster when the union of the groups
@@ -87,7 +89,8 @@ def connected(world_size: int, groups: Iterable[Sequence[int]]) -> bool:
 class _Worker:
     assigned: int = 0  # groups placed in its buffer so far (this fit)
     consumed: int = 0  # groups it said it has performed
-    active: bool = False  # asked since its last round end
+    active: bool = True  # may be placed in groups: from the start, and again once a new round began
+    requested: bool = False  # asked since the start or its last round end (and so holds a group of its own)
     last_request: float | None = None
     interval: float | None = None  # smoothed seconds between its requests: its pace, waits included
 
@@ -109,7 +112,7 @@ class GroupBoard:
     group_size: int = 2
     generator: Generator = "smart"
     buffer_size: int = 2
-    tolerance: float = 0.5
+    tolerance: float = 0.1
     seed: int = 0
     history: list[Group] = field(default_factory=list)  # every group of two or more, in the global order
     _workers: list[_Worker] = field(init=False, repr=False)
@@ -122,13 +125,20 @@ class GroupBoard:
         self._random = random.Random(self.seed)
 
     def backlog(self, worker: int) -> int:
-        """Groups waiting in ``worker``'s buffer beyond the one it took at its last request: what it performs at its
-        coming iteration ends before a new group (it reports what it performed only when it asks again)."""
+        """Groups waiting in ``worker``'s buffer beyond the one it took at its last request (if it asked this round):
+        what it performs at its coming iteration ends before a new group. It reports what it performed only when it
+        asks again, so the one it took then counts as performed."""
         w = self._workers[worker]
-        return max(0, w.assigned - w.consumed - 1)
+        return max(0, w.assigned - w.consumed - int(w.requested))
 
     def assigned(self, worker: int) -> int:
         return self._workers[worker].assigned
+
+    def know_paces(self, seconds: Sequence[float], now: float) -> None:
+        """Every worker's seconds per iteration, known before it asks (a profiling warm-up): ``smart`` then expects
+        each worker's next iteration end one pace after ``now``."""
+        for worker, pace in zip(self._workers, seconds, strict=True):
+            worker.last_request, worker.interval = now, float(pace)
 
     def request(self, worker: int, consumed: int, now: float) -> list[tuple[int, int, Group]]:
         """``worker`` ended an iteration at ``now`` and has performed ``consumed`` groups: make what it needs.
@@ -136,7 +146,12 @@ class GroupBoard:
         Returns the placements made, ``(member, buffer index, group)``, in order; none when its next group already
         waits in its buffer."""
         w = self._workers[worker]
-        w.active = True
+        if not w.active:
+            # Its first request after its round's end: it is past the round's global all-reduce, so is every
+            # worker (they all left before it), and all of them take part again.
+            for x in self._workers:
+                x.active = True
+        w.requested = True
         w.consumed = max(w.consumed, consumed)
         if w.last_request is not None:
             gap = max(0.0, now - w.last_request)
@@ -163,10 +178,13 @@ class GroupBoard:
         return placements
 
     def end_round(self, worker: int) -> int:
-        """``worker`` reached its round's end: no new group includes it until it asks again. Returns how many groups
-        its buffer received in all (the ones it still has to perform before the round's global all-reduce)."""
+        """``worker`` reached its round's end: no new group includes it until a new round begins (some worker asks
+        after its own round's end). Returns how many groups its buffer received in all: it performs the ones left
+        before the round's global all-reduce."""
         w = self._workers[worker]
-        w.active = False
+        w.active, w.requested = False, False
+        w.consumed = w.assigned  # drained before the all-reduce
+        w.last_request = None  # the pause is not its pace
         return w.assigned
 
     def _division(self, eligible: list[int]) -> list[Group]:

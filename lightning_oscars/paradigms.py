@@ -196,7 +196,7 @@ class RipplesStrategy(StepSyncStrategy):
         group_size: int = 3,
         generator: Generator = "smart",
         buffer_size: int = 2,
-        tolerance: float = 0.5,
+        tolerance: float = 0.1,
         max_local_steps: int = 32,
         **kwargs: Any,
     ) -> None:

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -38,6 +39,7 @@ _STOP = "S"
 _REQUEST = "R"
 _END = "E"
 _END_MARK = "end"
+_FITS = itertools.count(1)  # the process's fits, numbered in order: the same numbers on every rank
 
 
 def _text(value: Any) -> str:
@@ -166,7 +168,6 @@ class RipplesScheme(ModelAveraging):
         self.client: GroupClient | None = None
         self._exchange_group: Any = None
         self._params: list[Tensor] = []
-        self._fits = 0
         self._rank = 0
         # This fit's figures, kept after it stopped: the size of every group this rank performed, its seconds in
         # groups (waiting for members and exchanging); on rank 0, how often each pair of ranks met.
@@ -180,13 +181,12 @@ class RipplesScheme(ModelAveraging):
 
         self.release()
         self._params = list(parameters)
-        self._fits += 1
         self.sizes, self.waited_s, self.report = [], 0.0, {}
         if not dist.is_initialized() or dist.get_world_size() < 2:
             return  # one process: nobody to average with
         self._rank, n = dist.get_rank(), dist.get_world_size()
         self._exchange_group = dist.new_group(backend="gloo")
-        prefix = f"oscars/ripples/{self._fits}"
+        prefix = f"oscars/ripples/{next(_FITS)}"
         store = default_store()
         if self._rank == 0:
             self.coordinator = GroupCoordinator(store, prefix, GroupBoard(n, **self.board_options))

@@ -546,10 +546,19 @@ def flat_weights(module: torch.nn.Module) -> list[float]:
 
 
 def main() -> None:
-    case, out = sys.argv[1], Path(sys.argv[2])
+    """``run_case.py CASE OUT`` or, for a batch of independent cases fitted one after another in the same two
+    processes (one launch, one process group), ``run_case.py CASE+CASE+... OUT``: each writes to ``OUT/CASE``."""
+    cases, out = sys.argv[1].split("+"), Path(sys.argv[2])
     dump_after = float(os.environ.get("OSCARS_TEST_DUMP_AFTER", "0"))
     if dump_after > 0:  # a hang prints every rank's stack (to the test's log) and exits instead of waiting
         faulthandler.dump_traceback_later(dump_after, exit=True)
+    for case in cases:
+        target = out / case if len(cases) > 1 else out
+        target.mkdir(parents=True, exist_ok=True)
+        run_one(case, target)
+
+
+def run_one(case: str, out: Path) -> None:
     L.seed_everything(0, verbose=False)
     module, kwargs, strategy, callbacks = build(case, out)
     counter = CollectiveCounter()

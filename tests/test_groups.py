@@ -151,16 +151,26 @@ def test_smart_groups_leave_a_slow_worker_out_of_most_fast_groups():
     assert waits["smart"] < waits["random"] / 2  # fast workers hardly wait for the slow one
 
 
-def test_a_worker_that_left_the_round_is_not_grouped_until_it_asks_again():
+def test_a_worker_that_left_the_round_is_not_grouped_until_a_new_round_begins():
     board = GroupBoard(3, group_size=3, generator="random", seed=0)
-    assert [g for _, _, g in board.request(0, 0, 0.0)] == [(0,)]  # nobody else asked yet
-    assert [g for _, _, g in board.request(1, 0, 0.0)] == [(0, 1), (0, 1)]
-    assert [g for _, _, g in board.request(2, 0, 0.0)] == [(0, 1, 2)] * 3
+    assert [g for _, _, g in board.request(0, 0, 0.0)] == [(0, 1, 2)] * 3  # everybody takes part from the start
+    assert board.request(1, 0, 0.0) == [] and board.request(2, 0, 0.0) == []  # theirs waits in their buffers
     assert board.end_round(2) == 1  # it still has to perform its one group before the round's all-reduce
-    placements = board.request(0, 3, 1.0)
+    placements = board.request(0, 1, 1.0)
     assert placements and all(2 not in group for _, _, group in placements)
-    board.request(2, 1, 1.1)  # asks in the next round: back in
-    assert any(2 in group for _, _, group in board.request(1, board.assigned(1), 2.0))
+    assert board.end_round(0) == 2 and board.end_round(1) == 2
+    # A request after a round's end means that round's all-reduce is over: everybody is back.
+    assert [g for _, _, g in board.request(1, 2, 2.0)] == [(0, 1, 2)] * 3
+
+
+def test_smart_does_not_pick_a_worker_twice_before_it_is_ready():
+    # At the start nobody has asked yet; the even workers ask first. A worker that has not asked holds no group of
+    # its own, so one group from somebody else is all it may be given: a second would make its partner wait.
+    board = GroupBoard(8, group_size=2, generator="smart", seed=0)
+    for worker in (0, 2, 4, 6):
+        board.request(worker, 0, 0.0)
+    assert all(board.assigned(i) <= 1 for i in (1, 3, 5, 7))
+    assert all(board.backlog(i) <= 1 for i in range(8))  # smart only picks a worker with nothing waiting
 
 
 @pytest.mark.parametrize(

@@ -72,8 +72,52 @@ def _assert_group_gone(pgid: int, case: str, grace: float = 15.0) -> None:
     pytest.fail(f"case {case!r} left processes running {grace:.0f} s after it ended")
 
 
-def finished(case: str, tmp_path: Path) -> list[dict]:
-    results = run_case(case, tmp_path)
+# Independent cases that need nothing but their result files: fitted one after another in one launch (the
+# launch and the imports cost more than most of these fits), on first use, and shared by their tests.
+BATCHED = (
+    "by_name",
+    "alg1_samples",
+    "local_sgd",
+    "pinned",
+    "val_float",
+    "val_int",
+    "check_val_every_n_epoch",
+    "limit_float",
+    "limit_int",
+    "accumulate",
+    "clip",
+    "bf16",
+    "sched_step",
+    "sched_epoch",
+    "sync_dist_epoch",
+    "early_stopping",
+    "manual_one",
+    "manual_two",
+    "max_steps",
+)
+_batch_dir: list[Path] = []
+
+
+def _batched(case: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    if not _batch_dir:
+        out = tmp_path_factory.mktemp("batch")
+        run_case("+".join(BATCHED), out, timeout=TIMEOUT + 15 * len(BATCHED), ranks=())
+        _batch_dir.append(out)
+    results = []
+    for rank in (0, 1):
+        path = _batch_dir[0] / case / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no result for {case} (see {_batch_dir[0] / 'launcher.log'})"
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def finished(case: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory | None = None) -> list[dict]:
+    """The case's two results, checked: no error, equal weights and steps on both ranks. A case of ``BATCHED``
+    (pass ``tmp_path_factory``) comes from the shared batch run."""
+    if case in BATCHED and tmp_path_factory is not None:
+        results = _batched(case, tmp_path_factory)
+    else:
+        results = run_case(case, tmp_path)
     for r in results:
         assert "error" not in r, r["error"]
     assert results[0]["weights"] == results[1]["weights"], "ranks ended with different weights"
@@ -94,25 +138,25 @@ def test_basic_balance_coverage_and_one_collective_per_round(tmp_path):
     assert all(len(h["local_steps"]) == 2 for h in fast["history"])
 
 
-def test_registered_by_name(tmp_path):
-    fast, slow = finished("by_name", tmp_path)
+def test_registered_by_name(tmp_path, tmp_path_factory):
+    fast, slow = finished("by_name", tmp_path, tmp_path_factory)
     assert fast["num_averagings"] > 0 and fast["steps_taken"] > slow["steps_taken"]
 
 
-def test_alg1_sample_weighted_with_optimizer_state(tmp_path):
-    fast, slow = finished("alg1_samples", tmp_path)
+def test_alg1_sample_weighted_with_optimizer_state(tmp_path, tmp_path_factory):
+    fast, slow = finished("alg1_samples", tmp_path, tmp_path_factory)
     assert fast["seen"] + slow["seen"] == 1024
     assert fast["steps_taken"] > slow["steps_taken"]
 
 
-def test_fixed_period_local_sgd_baseline_is_uniform(tmp_path):
-    fast, slow = finished("local_sgd", tmp_path)
+def test_fixed_period_local_sgd_baseline_is_uniform(tmp_path, tmp_path_factory):
+    fast, slow = finished("local_sgd", tmp_path, tmp_path_factory)
     assert fast["schedule"] == [16, 16]
     assert abs(fast["steps_taken"] - slow["steps_taken"]) <= 1
 
 
-def test_pinned_local_steps(tmp_path):
-    fast, slow = finished("pinned", tmp_path)
+def test_pinned_local_steps(tmp_path, tmp_path_factory):
+    fast, slow = finished("pinned", tmp_path, tmp_path_factory)
     assert all(h["local_steps"] == [3, 1] for h in fast["history"])
     assert fast["seen"] == 3 * slow["seen"]
 
@@ -131,8 +175,8 @@ def test_rebalances_after_midrun_slowdown(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["max_steps"])
-def test_max_steps(case, tmp_path):
-    fast, slow = finished(case, tmp_path)
+def test_max_steps(case, tmp_path, tmp_path_factory):
+    fast, slow = finished(case, tmp_path, tmp_path_factory)
     assert fast["global_step"] == 23
 
 
@@ -141,56 +185,56 @@ def test_max_time(tmp_path):
     assert fast["epoch"] < 999
 
 
-def test_val_check_interval_float(tmp_path):
-    fast, _ = finished("val_float", tmp_path)
+def test_val_check_interval_float(tmp_path, tmp_path_factory):
+    fast, _ = finished("val_float", tmp_path, tmp_path_factory)
     assert "val_loss" in fast["metrics"]
 
 
-def test_val_check_interval_int(tmp_path):
-    fast, _ = finished("val_int", tmp_path)
+def test_val_check_interval_int(tmp_path, tmp_path_factory):
+    fast, _ = finished("val_int", tmp_path, tmp_path_factory)
     assert "val_acc" in fast["metrics"]
 
 
-def test_check_val_every_n_epoch(tmp_path):
-    fast, _ = finished("check_val_every_n_epoch", tmp_path)
+def test_check_val_every_n_epoch(tmp_path, tmp_path_factory):
+    fast, _ = finished("check_val_every_n_epoch", tmp_path, tmp_path_factory)
     assert "val_loss" in fast["metrics"]
 
 
-def test_limit_train_batches_float(tmp_path):
-    fast, slow = finished("limit_float", tmp_path)
+def test_limit_train_batches_float(tmp_path, tmp_path_factory):
+    fast, slow = finished("limit_float", tmp_path, tmp_path_factory)
     assert fast["seen"] + slow["seen"] < 1024
 
 
-def test_limit_train_batches_int(tmp_path):
-    fast, slow = finished("limit_int", tmp_path)
+def test_limit_train_batches_int(tmp_path, tmp_path_factory):
+    fast, slow = finished("limit_int", tmp_path, tmp_path_factory)
     assert fast["global_step"] == 18
 
 
-def test_accumulate_grad_batches(tmp_path):
-    fast, slow = finished("accumulate", tmp_path)
+def test_accumulate_grad_batches(tmp_path, tmp_path_factory):
+    fast, slow = finished("accumulate", tmp_path, tmp_path_factory)
     assert fast["seen"] + slow["seen"] == 1024
 
 
-def test_gradient_clip_val(tmp_path):
-    finished("clip", tmp_path)
+def test_gradient_clip_val(tmp_path, tmp_path_factory):
+    finished("clip", tmp_path, tmp_path_factory)
 
 
-def test_bf16_mixed(tmp_path):
-    finished("bf16", tmp_path)
+def test_bf16_mixed(tmp_path, tmp_path_factory):
+    finished("bf16", tmp_path, tmp_path_factory)
 
 
-def test_step_interval_lr_scheduler(tmp_path):
-    fast, slow = finished("sched_step", tmp_path)
+def test_step_interval_lr_scheduler(tmp_path, tmp_path_factory):
+    fast, slow = finished("sched_step", tmp_path, tmp_path_factory)
     assert fast["lr"] == slow["lr"] and fast["lr"][0] < 0.1
 
 
-def test_epoch_interval_lr_scheduler(tmp_path):
-    fast, slow = finished("sched_epoch", tmp_path)
+def test_epoch_interval_lr_scheduler(tmp_path, tmp_path_factory):
+    fast, slow = finished("sched_epoch", tmp_path, tmp_path_factory)
     assert fast["lr"] == slow["lr"] == [0.025]
 
 
-def test_sync_dist_on_epoch(tmp_path):
-    fast, slow = finished("sync_dist_epoch", tmp_path)
+def test_sync_dist_on_epoch(tmp_path, tmp_path_factory):
+    fast, slow = finished("sync_dist_epoch", tmp_path, tmp_path_factory)
     assert fast["metrics"]["epoch_loss"] == pytest.approx(slow["metrics"]["epoch_loss"])
 
 
@@ -201,8 +245,8 @@ def test_model_checkpoint(tmp_path):
     assert len(list((tmp_path / "steps").glob("*.ckpt"))) >= 5
 
 
-def test_early_stopping(tmp_path):
-    fast, _ = finished("early_stopping", tmp_path)
+def test_early_stopping(tmp_path, tmp_path_factory):
+    fast, _ = finished("early_stopping", tmp_path, tmp_path_factory)
     assert fast["epoch"] < 29
 
 
@@ -228,15 +272,15 @@ def test_loggers_lr_monitor_progress_bar(tmp_path):
     assert [int(float(r[tau1])) for r in logged] == [h["local_steps"][1] for h in fast["history"]]
 
 
-def test_manual_optimization_one_optimizer(tmp_path):
-    fast, slow = finished("manual_one", tmp_path)
+def test_manual_optimization_one_optimizer(tmp_path, tmp_path_factory):
+    fast, slow = finished("manual_one", tmp_path, tmp_path_factory)
     assert fast["steps_taken"] > slow["steps_taken"]
     # A scheduler stepped in on_train_batch_end (called on no-op slots too) follows global_step on every rank.
     assert fast["lr"] == slow["lr"] == [pytest.approx(0.05 * 0.5 ** (fast["global_step"] // 10))]
 
 
-def test_manual_optimization_two_optimizers(tmp_path):
-    fast, slow = finished("manual_two", tmp_path)
+def test_manual_optimization_two_optimizers(tmp_path, tmp_path_factory):
+    fast, slow = finished("manual_two", tmp_path, tmp_path_factory)
     assert fast["steps_taken"] > slow["steps_taken"]
 
 
@@ -511,11 +555,11 @@ def test_ripples_groups_keep_lightning_semantics_and_smart_groups_spare_the_fast
     met = fast_report["met"]  # rank 0 runs the generator: how often the two ranks averaged together
     assert met[0][1] == met[1][0] > 0
     if generator == "smart":
-        # The slow rank meets the fast one at most of its steps (not when the fast one already left the round); the
-        # fast one meets it only then and when the slow one is about to be ready, so it hardly waits and takes
-        # more of the data. (One run: sizes 1.16 and 1.73; 784 samples against 176.)
-        assert slow_report["mean_group_size"] > 1.5
-        assert fast_report["mean_group_size"] < slow_report["mean_group_size"] - 0.3
+        # Pairs are made when one rank asks and the other is expected within a tenth of the asker's step: the
+        # fast rank does not wait for the slow one, so it trains at its own pace (about 2x the slow one's here,
+        # where Lightning's own per-step work is not slowed down) and takes more of the data; every pair is a
+        # larger share of the slow rank's groups.
+        assert slow_report["mean_group_size"] > fast_report["mean_group_size"]
         assert len(sum(fast["trained"], [])) > 1.5 * len(sum(slow["trained"], []))
     else:  # a random division pairs them whenever the slow rank's buffer has room (one run: 1.32 and 1.94)
         assert slow_report["mean_group_size"] > 1.8 and fast_report["mean_group_size"] > 1.2
