@@ -25,13 +25,13 @@ all-reduce of a large model costs ``2 (N-1)/N x bytes / bandwidth``, nearly inde
 * Ripples (``ripples.simulate_ripples`` on ``lightning_oscars.groups.GroupBoard``, groups of 4, buffer 2): one
   partial all-reduce among ``k`` members costs ``all-reduce x ln k / ln N`` (``ripples.log_scaled_exchange``: a
   latency-bound tree; a bandwidth-bound ring would charge ``(k-1)/k`` of it, 2-4x more). The board is *warm*:
-  every worker registered and its mean step time known from the start (``ripples.register_all``), the best case
-  for Ripples; the cold board's launch (workers join at their first request) is reported apart.
+  every worker's mean step time known from the start (``ripples.register_all``), the best case for ``smart``;
+  the cold board's launch (paces learnt from the requests) is reported apart.
 
 Windows: every figure is counted over a steady-state window ``[start, end]`` of simulated seconds (PS and Ripples
 runs stop at ``end``; ddp and oscars run a fixed number of steps and are read from their per-averaging history),
-so launch transients (oscars' warm-up, SSP's initial run-ahead of ``s`` clocks, the group generators' start-up
-chains) do not count. 1,024 ranks use shorter windows than 64 (the parameter server's event loop and the
+so launch transients (oscars' warm-up, SSP's initial run-ahead of ``s`` clocks, the group generators' start-up)
+do not count. 1,024 ranks use shorter windows than 64 (the parameter server's event loop and the
 ``smart`` generator cost O(N) per event); the windows are in the results.
 
 Not modelled: convergence. Staleness (PS), the partial mixing of Ripples' groups and local SGD's drift change
@@ -89,7 +89,7 @@ Window = tuple[float, float]
 def default_windows(n: int) -> dict[str, Window]:
     """Steady-state windows ``(start_s, end_s)``: per family (``sync``, ``ps``, ``ripples``), or per paradigm where
     its launch transient is longer: SSP s=15's run-ahead (the 0.4x ranks need ~9 s to get 15 clocks ahead of the
-    0.2x ones) and the smart generator's start-up chains (~250 fast steps to unwind at 1,024 ranks). 1,024 ranks
+    0.2x ones). 1,024 ranks
     get shorter windows: the parameter server's event loop visits every waiting worker at every push."""
     if n <= 256:
         return {"sync": (10.0, 60.0), "ps": (12.0, 42.0), "ripples": (20.0, 50.0)}
@@ -98,7 +98,7 @@ def default_windows(n: int) -> dict[str, Window]:
         "ps": (3.0, 6.0),
         "ssp15": (11.0, 13.5),
         "ripples": (10.0, 20.0),
-        "ripples_smart": (26.0, 30.0),
+        "ripples_smart": (6.0, 10.0),  # the smart generator costs O(N) per request
     }
 
 
@@ -502,14 +502,11 @@ def markdown(rows: Sequence[dict[str, Any]], cfg: ScaleConfig, cold: dict[str, d
         " read between the first and the last move of the slowest clock inside the window (SSP / DSSP move in bursts"
         " tied to it). Staleness: updates the server applied between a worker's pull and its push, so it grows with"
         " N (about N - 1 for one iteration of every other worker).",
-        "* Ripples (``simulate_ripples`` on ``lightning_oscars.groups.GroupBoard``): the board is warm (every worker"
-        " registered and its mean step time known at launch), the best case; a cold board's launch is in the last"
+        "* Ripples (``simulate_ripples`` on ``lightning_oscars.groups.GroupBoard``): the board is warm (every"
+        " worker's mean step time known at launch), the best case; a cold board's launch is in the last"
         " table. Slow groups: groups of two or more performed by a worker of a faster class that included a worker"
         " of the slowest class, per fast worker over the window. Static groups cut *consecutive* ranks, so on"
-        " ``mixed`` (ranks in class order) most of them stay within one speed class: the layout matters to static."
-        " The smart generator's start-up: the first requests all pick the same soonest-expected workers (a worker"
-        " picked once still shows no backlog, so it is picked again) and these groups chain; at 1,024 ranks the"
-        " chains take hundreds of steps to unwind, even on the warm board, and how many depends on the seed.",
+        " ``mixed`` (ranks in class order) most of them stay within one speed class: the layout matters to static.",
         "* Every figure is counted over a steady-state window (below), launch transients excluded; the step times of"
         " a seed are common to PS and Ripples (per worker and iteration), ddp and oscars draw their own.",
     ]
