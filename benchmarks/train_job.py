@@ -53,7 +53,21 @@ def strategy_options(pairs: list[str]) -> dict:
     return options
 
 
+def _stacks_on_sigusr2() -> None:
+    """``OSCARS_STACKS_DIR=D``: ``kill -USR2`` a rank to write every thread's Python stack to ``D`` (a stuck run)."""
+    import faulthandler
+    import os
+    import signal
+    from pathlib import Path
+
+    folder = os.environ.get("OSCARS_STACKS_DIR")
+    if folder:
+        sink = (Path(folder) / f"stacks-{os.getpid()}.txt").open("w")
+        faulthandler.register(signal.SIGUSR2, file=sink, all_threads=True)
+
+
 def main() -> None:
+    _stacks_on_sigusr2()
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="oscars", help="ddp, local_sgd, oscars or a paradigm (asp, ssp, ...)")
     p.add_argument("--solver", default="exact")

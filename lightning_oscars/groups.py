@@ -20,10 +20,10 @@ Our reading of the seed, as implemented here and in ``ripples.py``:
     soonest, and only those expected within ``tolerance`` x the requester's own iteration time. A slow worker
     therefore joins fast ones when it is about to be ready (its own requests always find fast partners close to
     their step's end) instead of making them wait for most of its step.
-* **Rounds.** Every worker takes part from the start. A worker that ends its round (the strategy's global average
-  follows) is taken out: no group is made with it, and it performs the groups already in its buffer before the
-  global all-reduce. The first request after a round's end comes from past that all-reduce, which every worker
-  reached, so all of them take part again from then.
+* **Rounds.** Every worker takes part from the start. The board counts every worker's round ends (the strategy's
+  global average follows each). A group is made only among workers in the requester's round: a worker that left
+  it performs the groups already in its buffer before the global all-reduce and is never handed one it would not
+  perform. (A fast worker may reach the next round's end before a slow one asks for the first time in it.)
 
 A group's partial all-reduce replaces every member's model by the members' mean: the mixing matrix is symmetric
 and doubly stochastic (:func:`mixing_matrix`); models mix across the whole cluster when the union of the groups
@@ -89,7 +89,7 @@ def connected(world_size: int, groups: Iterable[Sequence[int]]) -> bool:
 class _Worker:
     assigned: int = 0  # groups placed in its buffer so far (this fit)
     consumed: int = 0  # groups it said it has performed
-    active: bool = True  # may be placed in groups: from the start, and again once a new round began
+    ends: int = 0  # round ends it reported: it is in round ``ends`` (it left every earlier one)
     requested: bool = False  # asked since the start or its last round end (and so holds a group of its own)
     last_request: float | None = None
     interval: float | None = None  # smoothed seconds between its requests: its pace, waits included
@@ -146,11 +146,6 @@ class GroupBoard:
         Returns the placements made, ``(member, buffer index, group)``, in order; none when its next group already
         waits in its buffer."""
         w = self._workers[worker]
-        if not w.active:
-            # Its first request after its round's end: it is past the round's global all-reduce, so is every
-            # worker (they all left before it), and all of them take part again.
-            for x in self._workers:
-                x.active = True
         w.requested = True
         w.consumed = max(w.consumed, consumed)
         if w.last_request is not None:
@@ -160,7 +155,11 @@ class GroupBoard:
         if w.assigned > w.consumed:
             return []
         eligible = [
-            i for i, x in enumerate(self._workers) if i == worker or (x.active and self.backlog(i) < self.buffer_size)
+            # Only workers in the requester's round: one that left it drained its buffer already, and one cannot be
+            # in an earlier round (the requester is past that round's all-reduce, which everybody reached).
+            i
+            for i, x in enumerate(self._workers)
+            if i == worker or (x.ends == w.ends and self.backlog(i) < self.buffer_size)
         ]
         if self.generator == "smart":
             groups = [self._smart_group(worker, eligible, now)]
@@ -178,11 +177,12 @@ class GroupBoard:
         return placements
 
     def end_round(self, worker: int) -> int:
-        """``worker`` reached its round's end: no new group includes it until a new round begins (some worker asks
-        after its own round's end). Returns how many groups its buffer received in all: it performs the ones left
-        before the round's global all-reduce."""
+        """``worker`` reached its round's end: no new group of that round includes it. Returns how many groups its
+        buffer received in all: it performs the ones left before the round's global all-reduce, and is grouped
+        again with the workers that reached the next round."""
         w = self._workers[worker]
-        w.active, w.requested = False, False
+        w.ends += 1
+        w.requested = False
         w.consumed = w.assigned  # drained before the all-reduce
         w.last_request = None  # the pause is not its pace
         return w.assigned

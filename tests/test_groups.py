@@ -163,6 +163,22 @@ def test_a_worker_that_left_the_round_is_not_grouped_until_a_new_round_begins():
     assert [g for _, _, g in board.request(1, 2, 2.0)] == [(0, 1, 2)] * 3
 
 
+@pytest.mark.parametrize("generator", ["static", "random", "smart"])
+def test_a_worker_that_left_the_next_round_already_is_not_grouped_by_a_slow_one(generator):
+    # The deadlock the 4-rank benchmark found: after a round's all-reduce worker 0 leaves the next round (no step
+    # of its own fitted in it: a short round) before the slow worker 2 asks for the first time in that round.
+    # Worker 2's groups must not include worker 0, who drained its buffer already and would never perform them.
+    board = GroupBoard(3, group_size=3, generator=generator, seed=0)
+    for worker in range(3):
+        board.request(worker, board.assigned(worker), 0.0)
+        board.end_round(worker)  # round 0 over, everybody met
+    board.end_round(0)  # worker 0 left round 1 without a step
+    placements = board.request(2, board.assigned(2), 1.5)
+    assert placements and all(0 not in group for _, _, group in placements)
+    board.request(1, board.assigned(1), 1.6)
+    assert all(0 not in group for g in board.history[-2:] for group in [g])
+
+
 def test_smart_does_not_pick_a_worker_twice_before_it_is_ready():
     # At the start nobody has asked yet; the even workers ask first. A worker that has not asked holds no group of
     # its own, so one group from somebody else is all it may be given: a second would make its partner wait.
