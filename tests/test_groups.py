@@ -11,31 +11,50 @@ import pytest
 from lightning_oscars.groups import GroupBoard, connected, mixing_matrix, static_division
 
 
-def drive(board: GroupBoard, step_s: list[float], steps: int, round_end_at: float | None = None, seed: int = 0):
+def drive(
+    board: GroupBoard,
+    step_s: list[float],
+    steps: int,
+    round_end_at: float | None = None,
+    seed: int = 0,
+    round_ends: tuple[float, ...] = (),
+):
     """Drive ``board`` as ``ripples.py``'s workers do, in simulated time.
 
     A worker ends a step, asks for its next group and waits at its buffer's head group; a group is performed (an
-    instant exchange) once every member waits at it as its head. ``round_end_at``: workers ending a step after this
-    time leave the round instead (``end_round``), perform what their buffers still hold, and wait at the barrier.
-    Raises on a deadlock (somebody waits and no event is left). Returns per worker the groups performed in order,
-    the seconds waited, and the steps done."""
+    instant exchange) once every member waits at it as its head. Rounds end at the times ``round_ends`` (or
+    ``round_end_at``), the last one when a worker has done ``steps`` steps: a worker ending a step after its
+    round's end leaves the round instead (``end_round``), performs what its buffer still holds and waits at the
+    barrier; when all are there (the round's global all-reduce) the next round begins. Raises on a deadlock
+    (somebody waits and no event is left). Returns per worker the groups performed in order, the seconds waited,
+    the steps done, and the round each of its groups was performed in."""
     rng = random.Random(seed)
     n = len(step_s)
+    ends = sorted(round_ends if round_end_at is None else (round_end_at,))
     buffers: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
     consumed, done, waited = [0] * n, [0] * n, [0.0] * n
     sequence: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
+    rounds: list[list[int]] = [[] for _ in range(n)]
     waiting: dict[int, float] = {}
     leaving: set[int] = set()
-    barrier: set[int] = set()
+    barrier: dict[int, float] = {}
+    current = [0]  # the round in progress
     events = [(step_s[i] * rng.uniform(0.8, 1.2), i) for i in range(n)]
     heapq.heapify(events)
 
     def arrive(i: int, now: float) -> None:
         if buffers[i]:
             waiting[i] = now
-        else:
-            assert i in leaving, "a stepping worker always has a group after it asked"
-            barrier.add(i)
+            return
+        assert i in leaving, "a stepping worker always has a group after it asked"
+        barrier[i] = now
+        if len(barrier) == n and current[0] < len(ends):  # the global all-reduce: the next round begins
+            start = max(barrier.values())
+            barrier.clear()
+            leaving.clear()
+            current[0] += 1
+            for m in range(n):
+                heapq.heappush(events, (start + step_s[m] * rng.uniform(0.8, 1.2), m))
 
     def perform_ready() -> None:
         progressed = True
@@ -51,6 +70,7 @@ def drive(board: GroupBoard, step_s: list[float], steps: int, round_end_at: floa
                 for m in group:
                     waited[m] += finish - waiting.pop(m)
                     sequence[m].append(group)
+                    rounds[m].append(current[0])
                     buffers[m].pop(0)
                     consumed[m] += 1
                     if m in leaving:
@@ -62,7 +82,8 @@ def drive(board: GroupBoard, step_s: list[float], steps: int, round_end_at: floa
     while events:
         now, i = heapq.heappop(events)
         done[i] += 1
-        if (round_end_at is not None and now >= round_end_at) or done[i] >= steps:
+        last_round = current[0] >= len(ends)
+        if (not last_round and now >= ends[current[0]]) or (last_round and done[i] >= steps):
             leaving.add(i)
             assert board.end_round(i) == consumed[i] + len(buffers[i]), "the drain target is the buffer's end"
             arrive(i, now)
@@ -74,8 +95,8 @@ def drive(board: GroupBoard, step_s: list[float], steps: int, round_end_at: floa
         perform_ready()
     if waiting:
         raise AssertionError(f"deadlock: {sorted(waiting)} wait at {[buffers[i][0] for i in sorted(waiting)]}")
-    assert barrier == set(range(n))
-    return sequence, waited, done
+    assert set(barrier) == set(range(n)) and current[0] == len(ends), "every round ended"
+    return sequence, waited, done, rounds
 
 
 @pytest.mark.parametrize("generator", ["static", "random", "smart"])
@@ -88,7 +109,7 @@ def test_no_conflicting_groups_and_no_deadlock_over_many_random_schedules(genera
             n, group_size=rng.randint(2, n + 1), generator=generator, buffer_size=rng.randint(1, 3), seed=seed
         )
         end = rng.choice([None, 0.2])
-        sequence, _, _ = drive(board, speeds, steps=30, round_end_at=end, seed=seed)
+        sequence, *_ = drive(board, speeds, steps=30, round_end_at=end, seed=seed)
         # Every group of two or more the board made was performed exactly once, by each of its members.
         performed = Counter(g for seq in sequence for g in seq if len(g) > 1)
         made = Counter(board.history)
@@ -103,6 +124,33 @@ def test_no_conflicting_groups_and_no_deadlock_over_many_random_schedules(genera
                 common_b = [g for g in sequence[b] if a in g]
                 assert common_a == common_b
         assert all(len(set(g)) == len(g) <= board.group_size for seq in sequence for g in seq)
+
+
+@pytest.mark.parametrize("generator", ["static", "random", "smart"])
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_no_deadlock_and_no_group_across_a_round_end_over_many_rounds(generator, n):
+    for seed in range(20):
+        rng = random.Random(seed)
+        speeds = [rng.choice([1.0, 1.0, 2.0, 5.0]) * 0.01 for _ in range(n)]
+        board = GroupBoard(
+            n, group_size=rng.randint(2, n + 1), generator=generator, buffer_size=rng.randint(1, 3), seed=seed
+        )
+        # Rounds of random lengths, some shorter than the slowest worker's step (it leaves them without a request).
+        ends, t = [], 0.0
+        for _ in range(rng.randint(2, 8)):
+            t += rng.choice([0.005, 0.03, 0.1, 0.25])
+            ends.append(t)
+        sequence, _, done, rounds = drive(board, speeds, steps=len(ends) + 25, seed=seed, round_ends=tuple(ends))
+        performed = Counter(g for seq in sequence for g in seq if len(g) > 1)
+        made = Counter(board.history)
+        assert all(performed[g] == made[g] * len(g) for g in made) and set(performed) <= set(made)
+        for a in range(n):
+            for b in range(a + 1, n):
+                # Common groups in one order, each performed by both in the same round: none spans a round's end.
+                common_a = [(r, g) for r, g in zip(rounds[a], sequence[a]) if b in g]
+                common_b = [(r, g) for r, g in zip(rounds[b], sequence[b]) if a in g]
+                assert common_a == common_b
+        assert min(done) >= len(ends) + 1, "every worker stepped in every round"
 
 
 def test_static_divisions_are_disjoint_and_mix_everybody():
@@ -141,7 +189,7 @@ def test_smart_groups_leave_a_slow_worker_out_of_most_fast_groups():
     shares, waits = {}, {}
     for generator in ("random", "smart"):
         board = GroupBoard(4, group_size=2, generator=generator, seed=1)
-        _, waited, done = drive(board, speeds, steps=200)
+        _, waited, done, _ = drive(board, speeds, steps=200)
         fast_groups = [g for g in board.history if any(m != 3 for m in g)]
         shares[generator] = sum(3 in g for g in fast_groups) / len(fast_groups)
         waits[generator] = sum(waited[:3]) / sum(done[:3])
