@@ -43,6 +43,7 @@ __all__ = [
     "Group",
     "GroupBoard",
     "connected",
+    "meetings",
     "mixing_matrix",
     "static_division",
 ]
@@ -67,6 +68,16 @@ def mixing_matrix(world_size: int, group: Sequence[int]) -> list[list[float]]:
         [(share if j in members else 0.0) if i in members else float(i == j) for j in range(world_size)]
         for i in range(world_size)
     ]
+
+
+def meetings(world_size: int, groups: Iterable[Sequence[int]]) -> list[list[int]]:
+    """How often each pair of workers averaged together: ``met[a][b]`` groups held both ``a`` and ``b``."""
+    met = [[0] * world_size for _ in range(world_size)]
+    for group in groups:
+        for a in group:
+            for b in group:
+                met[a][b] += a != b
+    return met
 
 
 def connected(world_size: int, groups: Iterable[Sequence[int]]) -> bool:

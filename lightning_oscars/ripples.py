@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_oscars.averaging import flat_copy, load_flat
-from lightning_oscars.groups import GroupBoard
+from lightning_oscars.groups import GroupBoard, meetings
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.schemes import ModelAveraging
 
@@ -226,10 +226,4 @@ class RipplesScheme(ModelAveraging):
             }
         if coordinator is not None:
             coordinator.stop()
-            n = coordinator.board.world_size
-            met = [[0] * n for _ in range(n)]
-            for group in coordinator.board.history:
-                for a in group:
-                    for b in group:
-                        met[a][b] += a != b
-            self.report["met"] = met
+            self.report["met"] = meetings(coordinator.board.world_size, coordinator.board.history)

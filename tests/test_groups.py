@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from lightning_oscars.groups import GroupBoard, connected, mixing_matrix, static_division
+from lightning_oscars.groups import GroupBoard, connected, meetings, mixing_matrix, static_division
 
 
 def drive(
@@ -151,6 +151,16 @@ def test_no_deadlock_and_no_group_across_a_round_end_over_many_rounds(generator,
                 common_b = [(r, g) for r, g in zip(rounds[b], sequence[b]) if a in g]
                 assert common_a == common_b
         assert min(done) >= len(ends) + 1, "every worker stepped in every round"
+
+
+def test_meetings_count_each_pair_once_per_group_and_are_symmetric():
+    met = meetings(4, [(0, 1), (0, 1, 2), (2, 3), (1,)])
+    assert met == [[0, 2, 1, 0], [2, 0, 1, 0], [1, 1, 0, 1], [0, 0, 1, 0]]
+    board = GroupBoard(5, group_size=3, generator="random", seed=2)
+    drive(board, [0.01, 0.01, 0.02, 0.03, 0.05], steps=40)
+    met = meetings(5, board.history)
+    assert all(met[a][b] == met[b][a] for a in range(5) for b in range(5))
+    assert sum(map(sum, met)) == sum(len(g) * (len(g) - 1) for g in board.history)
 
 
 def test_static_divisions_are_disjoint_and_mix_everybody():
