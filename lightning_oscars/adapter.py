@@ -51,7 +51,13 @@ import torch  # noqa: E402
 from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper  # noqa: E402
 from lightning.pytorch import LightningModule, Trainer  # noqa: E402
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, ThroughputMonitor, Timer, WeightAveraging  # noqa: E402
+from lightning.pytorch.callbacks import (  # noqa: E402
+    GradientAccumulationScheduler,
+    ModelCheckpoint,
+    ThroughputMonitor,
+    Timer,
+    WeightAveraging,
+)
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher  # noqa: E402
 from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa: E402
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches  # noqa: E402
@@ -269,6 +275,26 @@ class LightningAdapter:
     def mark_sigterm(trainer: Trainer) -> None:
         """Some rank received SIGTERM: Lightning raises ``SIGTERMException`` on every rank at this batch."""
         trainer._signal_connector.received_sigterm = True
+
+    @staticmethod
+    def checkpoint_due(trainer: Trainer) -> bool:
+        """Whether a ``ModelCheckpoint`` saves by ``every_n_train_steps`` at this batch's end (Lightning's own test,
+        the same on every rank: the global step is)."""
+        for callback in trainer.checkpoint_callbacks:
+            every = getattr(callback, "_every_n_train_steps", 0)
+            if isinstance(callback, ModelCheckpoint) and every >= 1 and trainer.global_step % every == 0:
+                if not callback._should_skip_saving_checkpoint(trainer):
+                    return True
+        return False
+
+    @staticmethod
+    def time_interval_checkpoints(trainer: Trainer) -> list[ModelCheckpoint]:
+        """``ModelCheckpoint(train_time_interval=...)`` callbacks: they broadcast their decision at every batch."""
+        return [
+            cb
+            for cb in trainer.checkpoint_callbacks
+            if isinstance(cb, ModelCheckpoint) and cb._train_time_interval is not None
+        ]
 
     @staticmethod
     def epoch_results(trainer: Trainer) -> Any:

@@ -78,6 +78,12 @@ class RoundDriver:
 
     def begin_rounds(self, trainer: Trainer) -> None:
         """Training starts: install the adapter, restore a checkpoint's rounds, continue a resumed epoch."""
+        if self.scheme.waits_within_rounds and LightningAdapter.time_interval_checkpoints(trainer):
+            raise ValueError(
+                "ModelCheckpoint(train_time_interval=...) broadcasts its decision at every batch, which"
+                f" strategy={self.strategy.strategy_name!r} cannot match: its ranks wait for each other inside a round."
+                " Save by steps (every_n_train_steps) or at validation, or use strategy='oscars'."
+            )
         self.adapter.install(trainer, self._on_sigterm, self.rounds.request_requeue)
         restored, self.restored = self.restored, None
         module = self.strategy.lightning_module
@@ -137,6 +143,11 @@ class RoundDriver:
         next_round = self.rounds.end_slot(batch_idx, self.loader.batches_per_slot, trainer.num_training_batches)
         if next_round is not None:
             self.average(trainer, next_round=next_round)
+        elif self.scheme.waits_within_rounds and LightningAdapter.checkpoint_due(trainer):
+            # A ModelCheckpoint saving at this step reduces its decisions (collectives) before it takes the state
+            # dict, where the averaging would otherwise happen: a peer waiting for this rank inside the round would
+            # never reach them. Averaging first releases it (every rank is at this step: one answer everywhere).
+            self.strategy.average_if_pending()
         self.adapter.pace_validation(trainer, batch_idx)
 
     def align_epoch_metrics(self, trainer: Trainer) -> None:

@@ -35,6 +35,10 @@ class SyncScheme(ABC):
     round's end (and before validation, a checkpoint and the end of fit), on every rank."""
 
     name = "scheme"
+    # Whether a rank may wait for another inside a round (a staleness bound, a group exchange). Then no collective
+    # may come between two of a round's steps on one rank unless this rank synchronized first (which releases whoever
+    # waits for it): the driver averages before a checkpoint's own collectives.
+    waits_within_rounds = False
 
     def __init__(self, policy: SchedulePolicy) -> None:
         self.policy = policy

@@ -47,6 +47,7 @@ class ParameterServerScheme(ModelAveraging):
     """
 
     name = "parameter_server"
+    waits_within_rounds = True
 
     def __init__(
         self,

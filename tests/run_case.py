@@ -325,6 +325,10 @@ class LBFGSModule(ToyModule):
         return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2, history_size=3)
 
 
+STEP_SYNCED = ("ripples", "ssp")  # a paradigm of each kind: groups, and the in-job parameter server
+STEP_SYNCED_LIFECYCLE = ("midepoch_first", "midepoch_second", "sigterm", "max_time", "time_checkpoint")
+
+
 def build(case: str, out: Path):
     """Return (module, trainer kwargs, strategy) for a case."""
     module = ToyModule(step_cost=0.004)
@@ -448,6 +452,26 @@ def build(case: str, out: Path):
         module = IndexedModule(n=480, batch_size=8, step_cost=0.004)
         kwargs.update(max_epochs=2, val_check_interval=0.5, limit_val_batches=2)
         strategy = RipplesStrategy(generator=case.split("_")[1], group_size=2, warmup_steps=2, max_local_steps=16)
+    elif case.partition("_")[0] in STEP_SYNCED and case.partition("_")[2] in STEP_SYNCED_LIFECYCLE:
+        # The step-synchronised paradigms under preemption, resume and a time limit; rank 1 3x slower.
+        paradigm, _, what = case.partition("_")
+        module = IndexedModule(n=480, batch_size=8, step_cost=0.004)
+        kwargs.update(max_epochs=3, val_check_interval=0.5, limit_val_batches=2, default_root_dir=str(out))
+        if paradigm == "ripples":
+            strategy = RipplesStrategy(generator="smart", group_size=2, warmup_steps=2, max_local_steps=16)
+        else:
+            strategy = SSPStrategy(staleness=2, warmup_steps=2)
+        if what == "midepoch_first":
+            kwargs.update(enable_checkpointing=True)
+            callbacks += [ModelCheckpoint(dirpath=out / "steps", every_n_train_steps=13, save_top_k=-1)]
+        elif what == "sigterm":
+            kwargs.update(max_epochs=5, enable_checkpointing=True)
+            callbacks += [SendSignal(1, step=7), OnExceptionCheckpoint(dirpath=str(out / "preempt"))]
+        elif what == "max_time":
+            kwargs.update(max_epochs=1000, max_time={"seconds": 4})
+        elif what == "time_checkpoint":  # broadcasts at every batch: refused at the start of training
+            kwargs.update(enable_checkpointing=True)
+            callbacks += [ModelCheckpoint(dirpath=out / "timed", train_time_interval=timedelta(seconds=1))]
     elif case == "warmup_too_long":
         strategy = OscarsStrategy(warmup_steps=8)
         kwargs.update(max_epochs=-1, max_steps=5)
@@ -573,7 +597,7 @@ def run_one(case: str, out: Path) -> None:
         ckpt = str(out / "ckpt" / "last.ckpt")
     elif case == "midepoch_second":
         ckpt = str(out / "steps" / "epoch=0-step=5.ckpt")
-    elif case == "deadline_midepoch_second":
+    elif case in ("deadline_midepoch_second", "ripples_midepoch_second", "ssp_midepoch_second"):
         ckpt = str(out / "steps" / "epoch=0-step=13.ckpt")
     elif case == "resume_from_env":
         ckpt = os.environ["OSCARS_TEST_CKPT"]

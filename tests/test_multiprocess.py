@@ -94,6 +94,8 @@ BATCHED = (
     "manual_one",
     "manual_two",
     "max_steps",
+    "ripples_max_time",
+    "ssp_max_time",
 )
 _batch_dir: list[Path] = []
 
@@ -570,3 +572,42 @@ def test_dasp_moves_a_slow_rank_out_of_the_synchronous_group_and_back(tmp_path):
     _epochs_complete(fast, slow, 480)
     states = [state for r in (fast, slow) for _, worker, state in r["ps"]["switches"] if worker == 1]
     assert "async" in states and states[-1] == "sync", states
+
+
+@pytest.mark.parametrize("paradigm", ["ripples", "ssp"])
+def test_step_synced_paradigms_resume_mid_epoch_without_losing_or_repeating_data(paradigm, tmp_path):
+    first = finished(f"{paradigm}_midepoch_first", tmp_path)
+    assert (tmp_path / "steps" / "epoch=0-step=13.ckpt").exists()
+    before = [idx for r in first for step, batch in r["trained_steps"] if step < 13 for idx in batch]
+    fast, slow = finished(f"{paradigm}_midepoch_second", tmp_path)  # equal weights and steps on both ranks
+    after = fast["trained"][0] + slow["trained"][0]
+    assert sorted(before + after) == list(range(480)), "the resumed epoch trains exactly what was left"
+    _epochs_complete({"trained": fast["trained"][1:]}, {"trained": slow["trained"][1:]}, 480)
+    assert fast["epoch"] == first[0]["epoch"] == 3 and len(fast["trained"]) == 3
+
+
+@pytest.mark.parametrize("paradigm", ["ripples", "ssp"])
+def test_step_synced_paradigms_stop_every_rank_at_one_round_boundary_on_sigterm(paradigm, tmp_path):
+    import torch
+
+    results = run_case(f"{paradigm}_sigterm", tmp_path)  # rank 1 alone receives SIGTERM at step 7
+    for r in results:
+        assert "SIGTERMException" in r.get("error", ""), r.get("error")
+    fast, slow = results
+    assert fast["global_step"] == slow["global_step"] == _first_averaging_from(fast["history"], 7)
+    assert fast["weights"] == slow["weights"], "one model at the stop: the round's global average"
+    assert fast["epoch"] < 4
+    checkpoint = torch.load(tmp_path / "preempt" / "on_exception.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == fast["global_step"]
+
+
+@pytest.mark.parametrize("paradigm", ["ripples", "ssp"])
+def test_step_synced_paradigms_honour_max_time(paradigm, tmp_path, tmp_path_factory):
+    fast, slow = finished(f"{paradigm}_max_time", tmp_path, tmp_path_factory)  # both stop, at one step
+    assert 0 < fast["global_step"] and fast["epoch"] < 999
+    assert len(sum(fast["trained"], [])) > len(sum(slow["trained"], [])), "the fast rank kept its pace"
+
+
+def test_a_time_interval_checkpoint_is_refused_clearly_where_ranks_wait_inside_rounds(tmp_path):
+    for r in run_case("ripples_time_checkpoint", tmp_path):
+        assert "train_time_interval" in r.get("error", "") and "every_n_train_steps" in r["error"], r.get("error")
