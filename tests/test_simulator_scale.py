@@ -50,7 +50,7 @@ def test_ripples_follows_the_protocol_of_the_group_tests(generator):
         speeds = [rng.choice([1.0, 1.0, 2.0, 5.0]) * 0.01 for _ in range(n)]
         size, buffer = rng.randint(2, n + 1), rng.randint(1, 3)
         board = GroupBoard(n, group_size=size, generator=generator, buffer_size=buffer, seed=seed)
-        sequence, _, done = drive(board, speeds, steps=25, seed=seed)
+        sequence, _, done, _ = drive(board, speeds, steps=25, seed=seed)
         draw = random.Random(seed)
         run = simulate_ripples(
             lambda w, i, now, speeds=speeds, draw=draw: speeds[w] * draw.uniform(0.8, 1.2),
