@@ -99,25 +99,31 @@ def drive(
     return sequence, waited, done, rounds
 
 
+def _random_cluster(generator: str, n: int, seed: int) -> tuple[random.Random, list[float], GroupBoard]:
+    """Speeds of 1x, 2x and 5x (10 ms at 1x) and a board of random group and buffer sizes."""
+    rng = random.Random(seed)
+    speeds = [rng.choice([1.0, 1.0, 2.0, 5.0]) * 0.01 for _ in range(n)]
+    board = GroupBoard(
+        n, group_size=rng.randint(2, n + 1), generator=generator, buffer_size=rng.randint(1, 3), seed=seed
+    )
+    return rng, speeds, board
+
+
+def _assert_each_group_performed_once_by_each_member(board: GroupBoard, sequence: list[list[tuple[int, ...]]]):
+    performed = Counter(g for seq in sequence for g in seq if len(g) > 1)
+    made = Counter(board.history)
+    assert all(performed[g] == made[g] * len(g) for g in made) and set(performed) <= set(made)
+
+
 @pytest.mark.parametrize("generator", ["static", "random", "smart"])
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
 def test_no_conflicting_groups_and_no_deadlock_over_many_random_schedules(generator, n):
     for seed in range(30):
-        rng = random.Random(seed)
-        speeds = [rng.choice([1.0, 1.0, 2.0, 5.0]) * 0.01 for _ in range(n)]
-        board = GroupBoard(
-            n, group_size=rng.randint(2, n + 1), generator=generator, buffer_size=rng.randint(1, 3), seed=seed
-        )
+        rng, speeds, board = _random_cluster(generator, n, seed)
         end = rng.choice([None, 0.2])
         sequence, *_ = drive(board, speeds, steps=30, round_end_at=end, seed=seed)
-        # Every group of two or more the board made was performed exactly once, by each of its members.
-        performed = Counter(g for seq in sequence for g in seq if len(g) > 1)
-        made = Counter(board.history)
-        assert all(performed[g] == made[g] * len(g) for g in made) and set(performed) <= set(made)
+        _assert_each_group_performed_once_by_each_member(board, sequence)
         # No conflicts: any two workers perform their common groups in one order (the board's global order).
-        position = {}
-        for k, g in enumerate(board.history):
-            position.setdefault(g, []).append(k)
         for a in range(n):
             for b in range(a + 1, n):
                 common_a = [g for g in sequence[a] if b in g]
@@ -130,20 +136,14 @@ def test_no_conflicting_groups_and_no_deadlock_over_many_random_schedules(genera
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_no_deadlock_and_no_group_across_a_round_end_over_many_rounds(generator, n):
     for seed in range(20):
-        rng = random.Random(seed)
-        speeds = [rng.choice([1.0, 1.0, 2.0, 5.0]) * 0.01 for _ in range(n)]
-        board = GroupBoard(
-            n, group_size=rng.randint(2, n + 1), generator=generator, buffer_size=rng.randint(1, 3), seed=seed
-        )
+        rng, speeds, board = _random_cluster(generator, n, seed)
         # Rounds of random lengths, some shorter than the slowest worker's step (it leaves them without a request).
         ends, t = [], 0.0
         for _ in range(rng.randint(2, 8)):
             t += rng.choice([0.005, 0.03, 0.1, 0.25])
             ends.append(t)
         sequence, _, done, rounds = drive(board, speeds, steps=len(ends) + 25, seed=seed, round_ends=tuple(ends))
-        performed = Counter(g for seq in sequence for g in seq if len(g) > 1)
-        made = Counter(board.history)
-        assert all(performed[g] == made[g] * len(g) for g in made) and set(performed) <= set(made)
+        _assert_each_group_performed_once_by_each_member(board, sequence)
         for a in range(n):
             for b in range(a + 1, n):
                 # Common groups in one order, each performed by both in the same round: none spans a round's end.
