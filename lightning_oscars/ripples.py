@@ -63,7 +63,6 @@ class GroupCoordinator:
         self._control = store  # stop() pushes here: the thread's own connection is busy in its blocking pop
         self._store = store.clone()
         self._store.set_timeout(timedelta(days=365))  # waits for requests for as long as the fit lasts
-        self._ends = [0] * board.world_size
         self.error: BaseException | None = None
         # Every request waits for this thread to get the GIL from the training thread, which may be running Python
         # (Lightning's per-batch work, kernel launches): at the default 5 ms switch interval that is up to 5 ms per
