@@ -553,7 +553,9 @@ def test_ripples_groups_keep_lightning_semantics_and_smart_groups_spare_the_fast
     _epochs_complete(fast, slow, 480)
     assert "val_loss" in fast["metrics"]
     fast_report, slow_report = fast["ripples"], slow["ripples"]
-    assert fast_report["groups"] >= slow_report["groups"] > 0, "one group per real step"
+    assert fast_report["groups"] > 0 and slow_report["groups"] > 0, "one group per real step"
+    if generator == "smart":  # under random pairing both keep about one pace (CI once saw 58 against 62)
+        assert fast_report["groups"] >= slow_report["groups"]
     met = fast_report["met"]  # rank 0 runs the generator: how often the two ranks averaged together
     assert met[0][1] == met[1][0] > 0
     if generator == "smart":
