@@ -56,10 +56,22 @@ CONFIGS = {
     "dssp": ["--strategy", "dssp"],
     "dasp": ["--strategy", "dasp"],
     # the decentralized paradigm: Ripples' partial all-reduce in groups
-    "ripples-smart": ["--strategy", "ripples", "--option", "generator=smart"],
-    "ripples-random": ["--strategy", "ripples", "--option", "generator=random"],
+    # (the seed's synchronous partial all-reduce, and with the exchange overlapped with the next step: the default)
+    "ripples-smart": ["--strategy", "ripples", "--option", "generator=smart", "--option", "overlap=false"],
+    "ripples-random": ["--strategy", "ripples", "--option", "generator=random", "--option", "overlap=false"],
+    "ripples-smart-overlap": ["--strategy", "ripples", "--option", "generator=smart", "--option", "overlap=true"],
 }
-PARADIGM_CONFIGS = ("bsp", "asp", "ssp-3", "ssp-15", "dssp", "dasp", "ripples-smart", "ripples-random")
+PARADIGM_CONFIGS = (
+    "bsp",
+    "asp",
+    "ssp-3",
+    "ssp-15",
+    "dssp",
+    "dasp",
+    "ripples-smart",
+    "ripples-random",
+    "ripples-smart-overlap",
+)
 PROFILES = {
     "homogeneous": "",
     "1x/2x": "1:2",

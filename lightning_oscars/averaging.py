@@ -31,6 +31,7 @@ from torch import Tensor, nn
 __all__ = [
     "DIGITS",
     "FlatAverager",
+    "add_flat",
     "agree_on_layout",
     "averaged_tensors",
     "decode_integer_mean",
@@ -238,6 +239,14 @@ def load_flat(tensors: Sequence[Tensor], flat: Tensor) -> None:
     with torch.no_grad():
         for tensor, chunk in _chunks(flat, tensors):
             tensor.copy_(chunk)
+
+
+def add_flat(tensors: Sequence[Tensor], flat: Tensor) -> None:
+    """Add ``flat`` (as :func:`flat_copy` packs it) to the tensors, in place: a correction computed on a snapshot
+    applied to values that moved on since."""
+    with torch.no_grad():
+        for tensor, chunk in _chunks(flat, tensors):
+            tensor.add_(chunk.to(tensor.device, tensor.dtype))
 
 
 class FlatAverager:

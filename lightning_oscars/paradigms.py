@@ -186,6 +186,10 @@ class RipplesStrategy(StepSyncStrategy):
         buffer_size: a worker is given no new group while this many wait in its buffer beyond its current one.
         tolerance: ``smart``: how long, in the requester's step times, a partner may be expected to take.
         max_local_steps: the most steps of the fastest rank between two global averages.
+        overlap: exchange with each group while the next step runs and apply the group's mean one step late, as a
+            correction that keeps this rank's own progress (nobody waits for a member's step to end). The default:
+            faster to the same accuracy in every measured profile. ``False``: the seed's synchronous partial
+            all-reduce.
         Other options as :class:`StepSyncStrategy`'s.
     """
 
@@ -198,6 +202,7 @@ class RipplesStrategy(StepSyncStrategy):
         buffer_size: int = 2,
         tolerance: float = 0.1,
         max_local_steps: int = 32,
+        overlap: bool = True,
         **kwargs: Any,
     ) -> None:
         self.group_size, self.generator, self.buffer_size, self.tolerance = (
@@ -206,9 +211,12 @@ class RipplesStrategy(StepSyncStrategy):
             buffer_size,
             tolerance,
         )
+        self.overlap = overlap
         super().__init__(max_local_steps=max_local_steps, **kwargs)
 
     def validate(self) -> None:
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
         # world_size is not known yet: a group larger than the cluster is simply the whole cluster
         validate_options(1, self.group_size, self.generator, self.buffer_size, self.tolerance)
 
@@ -220,7 +228,7 @@ class RipplesStrategy(StepSyncStrategy):
             "tolerance": self.tolerance,
             "seed": self.seed if self.seed is not None else 0,
         }
-        return RipplesScheme(self.make_policy(), options, timeout_s=self.timeout_s)
+        return RipplesScheme(self.make_policy(), options, timeout_s=self.timeout_s, overlap=self.overlap)
 
 
 PARADIGMS: dict[str, tuple[type[StepSyncStrategy], str]] = {

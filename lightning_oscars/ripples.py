@@ -5,7 +5,8 @@
   Workers push requests onto one queue; the coordinator pops them in order and pushes each group onto every
   member's own queue, which *is* the member's Group Buffer: first in, first out, one global order.
 * **Worker** (:class:`GroupClient`): after each iteration a worker asks (reporting how many groups it performed and
-  its busy time), pops its next group and averages with the members (:func:`partial_average`). At its round's end
+  its busy time), pops its next group and averages with the members (:func:`partial_average`); with ``overlap`` it
+  posts the exchange (:class:`GroupExchange`) and applies it after its next step, as a correction. At its round's end
   it says so, performs what its queue still holds up to an end marker the coordinator appends (no group is made
   with it afterwards), and joins the round's global all-reduce.
 * **Partial all-reduce**: every member sends its flat parameters to every other member and receives theirs over
@@ -29,12 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_oscars.averaging import flat_copy, load_flat
+from lightning_oscars.averaging import add_flat, flat_copy, load_flat
 from lightning_oscars.groups import GroupBoard, meetings
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.schemes import ModelAveraging
 
-__all__ = ["GroupClient", "GroupCoordinator", "RipplesScheme", "partial_average"]
+__all__ = ["GroupClient", "GroupCoordinator", "GroupExchange", "RipplesScheme", "partial_average"]
 
 _STOP = "S"
 _REQUEST = "R"
@@ -133,19 +134,33 @@ class GroupClient:
         return tuple(int(m) for m in item.split(","))
 
 
+class GroupExchange:
+    """One group's exchange of flat buffers (CPU tensors of one size on every member), point to point: posted when
+    made, finished by :meth:`mean`. Gloo moves the data on its own threads, so a rank may train meanwhile."""
+
+    def __init__(self, flat: Tensor, members: Sequence[int], rank: int, group: Any) -> None:
+        self.flat = flat  # this rank's values as sent: kept (and not modified) until the exchange is finished
+        self.members = tuple(sorted(members))
+        self.rank = rank
+        others = [m for m in self.members if m != rank]
+        self._received = {m: torch.empty_like(flat) for m in others}
+        self._works = [dist.irecv(self._received[m], src=m, group=group) for m in others]
+        self._works += [dist.isend(flat, dst=m, group=group) for m in others]
+
+    def mean(self, timeout: timedelta) -> Tensor:
+        """Wait for every member's values and return their mean."""
+        for work in self._works:
+            if work is not None:  # None only for a rank outside the group, which every member is in
+                work.wait(timeout)
+        total = torch.zeros_like(self.flat)
+        for m in self.members:  # one order on every member: the same mean, bit for bit
+            total += self.flat if m == self.rank else self._received[m]
+        return total / len(self.members)
+
+
 def partial_average(flat: Tensor, members: Sequence[int], rank: int, group: Any, timeout: timedelta) -> Tensor:
     """The members' mean of ``flat`` (a CPU tensor, the same size on every member), exchanged point to point."""
-    others = [m for m in members if m != rank]
-    received = {m: torch.empty_like(flat) for m in others}
-    works = [dist.irecv(received[m], src=m, group=group) for m in others]
-    works += [dist.isend(flat, dst=m, group=group) for m in others]
-    for work in works:
-        if work is not None:  # None only for a rank outside ``group``, which every member is in
-            work.wait(timeout)
-    total = torch.zeros_like(flat)
-    for m in sorted(members):  # one order on every member: the same mean, bit for bit
-        total += flat if m == rank else received[m]
-    return total / len(members)
+    return GroupExchange(flat, members, rank, group).mean(timeout)
 
 
 class RipplesScheme(ModelAveraging):
@@ -157,6 +172,10 @@ class RipplesScheme(ModelAveraging):
             ``buffer_size``, ``tolerance``, ``seed``).
         device: where the round-end all-reduce runs.
         timeout_s: the longest a worker waits for its group or a member before it gives up.
+        overlap: post each group's exchange at a step's end and apply it at the next step's end, as the
+            correction ``mean - sent`` (the rank's own progress meanwhile is kept). Nobody waits for a member's step
+            to end; a group's average reaches the model one step late. ``False``: the seed's synchronous partial
+            all-reduce.
     """
 
     name = "ripples"
@@ -168,10 +187,13 @@ class RipplesScheme(ModelAveraging):
         board_options: dict[str, Any],
         device: torch.device | str = "cpu",
         timeout_s: float = 1800.0,
+        overlap: bool = True,
     ) -> None:
         super().__init__(policy, device)
         self.board_options = dict(board_options)
         self.timeout_s = timeout_s
+        self.overlap = overlap
+        self._pending: GroupExchange | None = None  # overlap: the exchange posted at the last step's end
         self.coordinator: GroupCoordinator | None = None
         self.client: GroupClient | None = None
         self._exchange_group: Any = None
@@ -180,6 +202,7 @@ class RipplesScheme(ModelAveraging):
         # This fit's figures, kept after it stopped: the size of every group this rank performed, its seconds in
         # groups (waiting for members and exchanging); on rank 0, how often each pair of ranks met.
         self.sizes: list[int] = []
+        self.applied_late = 0  # overlap: exchanges applied as a correction after a later step
         self.waited_s = 0.0
         self.report: dict[str, Any] = {}
 
@@ -189,7 +212,7 @@ class RipplesScheme(ModelAveraging):
 
         self.release()
         self._params = list(parameters)
-        self.sizes, self.waited_s, self.report = [], 0.0, {}
+        self.sizes, self.applied_late, self.waited_s, self.report = [], 0, 0.0, {}
         if not dist.is_initialized() or dist.get_world_size() < 2:
             return  # one process: nobody to average with
         self._rank, n = dist.get_rank(), dist.get_world_size()
@@ -200,24 +223,40 @@ class RipplesScheme(ModelAveraging):
             self.coordinator = GroupCoordinator(store, prefix, GroupBoard(n, **self.board_options))
         self.client = GroupClient(store, prefix, self._rank, self.timeout_s)
 
-    def _perform(self, members: tuple[int, ...]) -> None:
+    @property
+    def _timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def _perform(self, members: tuple[int, ...], overlap: bool = False) -> None:
         self.sizes.append(len(members))
         if len(members) > 1:
-            timeout = timedelta(seconds=self.timeout_s)
-            flat = partial_average(flat_copy(self._params), members, self._rank, self._exchange_group, timeout)
-            load_flat(self._params, flat)
+            exchange = GroupExchange(flat_copy(self._params), members, self._rank, self._exchange_group)
+            if overlap:
+                self._pending = exchange
+            else:
+                load_flat(self._params, exchange.mean(self._timeout))
+
+    def _finish_pending(self) -> None:
+        """Apply the exchange posted at the last step's end: what the group's mean adds to what this rank sent."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.applied_late += 1
+            add_flat(self._params, pending.mean(self._timeout).sub_(pending.flat))
 
     def after_step(self) -> None:
-        """A real optimizer step just ended: average with this iteration's group."""
+        """A real optimizer step just ended: average with this iteration's group (with ``overlap``: apply the last
+        iteration's group and post this one's)."""
         if self.client is None:
             return
         started = time.perf_counter()
-        self._perform(self.client.next_group())
+        self._finish_pending()
+        self._perform(self.client.next_group(), self.overlap)
         self.waited_s += time.perf_counter() - started
 
     def synchronize(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
         if self.client is not None:
             started = time.perf_counter()
+            self._finish_pending()  # before the buffer's rest: a member's exchanges complete in the buffer's order
             for members in self.client.end_round():  # members still count on this rank for these
                 self._perform(members)
             self.waited_s += time.perf_counter() - started
@@ -225,11 +264,13 @@ class RipplesScheme(ModelAveraging):
 
     def release(self) -> None:
         super().release()
+        self._pending = None  # only left by a fit that failed: its members may be gone
         coordinator, self.coordinator, self.client = self.coordinator, None, None
         if self.sizes:
             self.report = {
                 "groups": len(self.sizes),
                 "mean_group_size": sum(self.sizes) / len(self.sizes),
+                "applied_late": self.applied_late,
                 "waited_s": self.waited_s,
             }
         if coordinator is not None:

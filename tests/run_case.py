@@ -448,10 +448,14 @@ def build(case: str, out: Path):
             strategy = DASPStrategy(leave=1.3, rejoin=1.15, patience=2, warmup_steps=2)
             callbacks = [HeterogeneityEmulator({1: [(0.0, 3.0), (2.0, 1.0)]})]
             kwargs.update(max_epochs=6)
-    elif case in ("ripples_smart", "ripples_random"):  # ripples with rank 1 3x slower; validation twice per epoch
+    elif case in ("ripples_smart", "ripples_random", "ripples_overlap"):
+        # ripples with rank 1 3x slower; validation twice per epoch. "overlap": smart groups, exchanged a step late
         module = IndexedModule(n=480, batch_size=8, step_cost=0.004)
         kwargs.update(max_epochs=2, val_check_interval=0.5, limit_val_batches=2)
-        strategy = RipplesStrategy(generator=case.split("_")[1], group_size=2, warmup_steps=2, max_local_steps=16)
+        generator, overlap = ("smart", True) if case == "ripples_overlap" else (case.split("_")[1], False)
+        strategy = RipplesStrategy(
+            generator=generator, group_size=2, warmup_steps=2, max_local_steps=16, overlap=overlap
+        )
     elif case.partition("_")[0] in STEP_SYNCED and case.partition("_")[2] in STEP_SYNCED_LIFECYCLE:
         # The step-synchronised paradigms under preemption, resume and a time limit; rank 1 3x slower.
         paradigm, _, what = case.partition("_")

@@ -16,11 +16,14 @@ from torch import Tensor, nn
 from lightning_oscars.averaging import (
     DIGITS,
     FlatAverager,
+    add_flat,
     agree_on_layout,
     averaged_tensors,
     decode_integer_mean,
     encode_integers,
+    flat_copy,
     layout_agreement,
+    load_flat,
     optimizer_state_layout,
 )
 
@@ -328,3 +331,20 @@ def test_state_mask_selects_only_agreed_parameters_state():
     simulate(per_rank, weights=[1.0, 1.0])  # same layout on both ranks: the round goes through
     with pytest.raises(ValueError, match="state_mask has 2 entries"):
         averaged_tensors(nets[0], optimizers[:1], state_mask=[True, True])
+
+
+def test_a_correction_from_a_snapshot_keeps_the_progress_made_since():
+    """Ripples' overlap: the group's mean minus what this rank sent, added to values that moved on meanwhile."""
+    params = [torch.tensor([[1.0, 2.0], [3.0, 4.0]]).t(), torch.tensor(5.0, dtype=torch.bfloat16)]  # strided, 0-dim
+    sent = flat_copy(params)
+    partner = torch.tensor([3.0, 6.0, 4.0, 8.0, 7.0])
+    with torch.no_grad():  # a local step after the snapshot
+        params[0].add_(0.5)
+        params[1].add_(1.0)
+    add_flat(params, (sent + partner) / 2 - sent)
+    assert torch.equal(params[0], torch.tensor([[2.0, 4.5], [3.0, 6.0]]) + 0.5)  # the mean, plus the step
+    assert params[1].dtype == torch.bfloat16 and params[1].item() == 7.0
+    # With no progress in between, the correction lands exactly on the mean.
+    load_flat(params, sent)
+    add_flat(params, (sent + partner) / 2 - sent)
+    assert torch.equal(flat_copy(params), (sent + partner) / 2)

@@ -259,3 +259,22 @@ def test_smart_does_not_pick_a_worker_twice_before_it_is_ready():
 def test_bad_options_are_named(options, match):
     with pytest.raises(ValueError, match=match):
         GroupBoard(4, **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [({"group_size": 1}, "group_size"), ({"generator": "nearest"}, "generator"), ({"overlap": "yes"}, "overlap")],
+)
+def test_the_strategy_names_a_bad_option_before_anything_is_built(options, match):
+    from lightning_oscars import RipplesStrategy
+
+    with pytest.raises(ValueError, match=match):
+        RipplesStrategy(**options)
+
+
+def test_the_strategy_overlaps_the_exchange_by_default_and_hands_its_options_to_the_scheme():
+    from lightning_oscars import RipplesStrategy
+
+    assert RipplesStrategy().make_scheme().overlap is True
+    scheme = RipplesStrategy(overlap=False, group_size=2, generator="random").make_scheme()
+    assert scheme.overlap is False and scheme.board_options["generator"] == "random"

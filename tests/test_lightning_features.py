@@ -13,10 +13,10 @@ from test_multiprocess import finished, run_case
 pytestmark = pytest.mark.multiprocess
 
 
-def test_partial_units_and_an_accumulation_schedule(tmp_path):
+def test_partial_units_and_an_accumulation_schedule(tmp_path, tmp_path_factory):
     # Epoch 0: 10 batches in units of 4, local steps [2, 1]: rank 0 trains unit 0 and the 2-batch unit 2. ddp
     # applies a partial unit at the epoch's last batch; so must oscars (it used to zero those gradients unapplied).
-    fast, slow = finished("accumulation", tmp_path)
+    fast, slow = finished("accumulation", tmp_path, tmp_path_factory)
     assert (fast["seen_per_epoch"][0], fast["steps_per_epoch"][0]) == (96, 2)
     assert (slow["seen_per_epoch"][0], slow["steps_per_epoch"][0]) == (64, 1)
     # Epoch 1: the GradientAccumulationScheduler makes units of 2 batches (the loader kept units of 4, and a rank
@@ -26,10 +26,10 @@ def test_partial_units_and_an_accumulation_schedule(tmp_path):
         assert rank["steps_per_epoch"][1] == rank["seen_per_epoch"][1] // 32 > 0
 
 
-def test_a_custom_sampler_is_honoured(tmp_path):
+def test_a_custom_sampler_is_honoured(tmp_path, tmp_path_factory):
     # WeightedRandomSampler: sample 0 weighs 1000 of 1099, 100 draws with replacement per epoch. Its draws are
     # split between the ranks by speed (ddp: ~91 of 100 draws are sample 0; the old oscars drew it once).
-    fast, slow = finished("weighted_sampler", tmp_path)
+    fast, slow = finished("weighted_sampler", tmp_path, tmp_path_factory)
     for epoch in (0, 1):
         drawn = fast["trained"][epoch] + slow["trained"][epoch]
         assert len(drawn) == 100
@@ -83,27 +83,27 @@ def test_builtin_callbacks_and_the_noop_slot_contract(tmp_path):
     # checked by finished().
 
 
-def test_swa_with_an_accumulation_change(tmp_path):
-    fast, slow = finished("swa_and_accumulation", tmp_path)
+def test_swa_with_an_accumulation_change(tmp_path, tmp_path_factory):
+    fast, slow = finished("swa_and_accumulation", tmp_path, tmp_path_factory)
     for epoch in range(3):
         assert fast["seen_per_epoch"][epoch] + slow["seen_per_epoch"][epoch] == 512
 
 
-def test_optimizer_state_of_a_parameter_one_rank_never_trained_and_large_integers(tmp_path):
+def test_optimizer_state_of_a_parameter_one_rank_never_trained_and_large_integers(tmp_path, tmp_path_factory):
     # Rank 1 never uses the head: its optimizer holds no state for it, so the ranks' state differs in layout.
-    fast, slow = finished("optimizer_state_unused_head", tmp_path)
+    fast, slow = finished("optimizer_state_unused_head", tmp_path, tmp_path_factory)
     # An int64 buffer beyond 2^24, equal on every rank, comes back exact (a float32 buffer rounded it).
     assert fast["big"] == slow["big"] == [16777217, 123456789, -(2**62) - 1]
 
 
-def test_optimizer_state_of_lbfgs(tmp_path):
+def test_optimizer_state_of_lbfgs(tmp_path, tmp_path_factory):
     # LBFGS replaces its state tensors every step (the averager compared tensors by value and raised).
-    fast, slow = finished("optimizer_state_lbfgs", tmp_path)
+    fast, slow = finished("optimizer_state_lbfgs", tmp_path, tmp_path_factory)
     assert fast["steps_taken"] > 0 and slow["steps_taken"] > 0
 
 
-def test_fast_dev_run_works_with_default_options(tmp_path):
-    fast, slow = finished("fast_dev_run", tmp_path)
+def test_fast_dev_run_works_with_default_options(tmp_path, tmp_path_factory):
+    fast, slow = finished("fast_dev_run", tmp_path, tmp_path_factory)
     assert fast["global_step"] == slow["global_step"] == 1
 
 

@@ -72,50 +72,67 @@ def _assert_group_gone(pgid: int, case: str, grace: float = 15.0) -> None:
     pytest.fail(f"case {case!r} left processes running {grace:.0f} s after it ended")
 
 
-# Independent cases that need nothing but their result files: fitted one after another in one launch (the
-# launch and the imports cost more than most of these fits), on first use, and shared by their tests.
-BATCHED = (
-    "by_name",
-    "alg1_samples",
-    "local_sgd",
-    "pinned",
-    "val_float",
-    "val_int",
-    "check_val_every_n_epoch",
-    "limit_float",
-    "limit_int",
-    "accumulate",
-    "clip",
-    "bf16",
-    "sched_step",
-    "sched_epoch",
-    "sync_dist_epoch",
-    "early_stopping",
-    "manual_one",
-    "manual_two",
-    "max_steps",
-    "ripples_max_time",
-    "ssp_max_time",
-)
-_batch_dir: list[Path] = []
+# Independent cases that need nothing but their result files: fitted one after another in one launch per batch
+# (the launch and the imports cost more than most of these fits), on first use, and shared by their tests.
+BATCHES = {
+    "features": (
+        "by_name",
+        "alg1_samples",
+        "local_sgd",
+        "pinned",
+        "val_float",
+        "val_int",
+        "check_val_every_n_epoch",
+        "limit_float",
+        "limit_int",
+        "accumulate",
+        "clip",
+        "bf16",
+        "sched_step",
+        "sched_epoch",
+        "sync_dist_epoch",
+        "early_stopping",
+        "manual_one",
+        "manual_two",
+        "max_steps",
+        "max_time",
+        "eval_after_fit",
+        "warmup_too_long",
+    ),
+    "rounds": ("basic", "rebalance", "deadline", "timed_warmup", "fixed_warmup", "ripples_max_time", "ssp_max_time"),
+    "paradigms": ("ps_ssp", "ps_dssp", "ps_asp", "ps_dasp", "ripples_smart", "ripples_random", "ripples_overlap"),
+    # test_lightning_features.py's
+    "lightning": (
+        "accumulation",
+        "weighted_sampler",
+        "swa_and_accumulation",
+        "optimizer_state_unused_head",
+        "optimizer_state_lbfgs",
+        "fast_dev_run",
+    ),
+}
+BATCHED = {case: batch for batch, cases in BATCHES.items() for case in cases}
+_batch_dirs: dict[str, Path] = {}
 
 
 def _batched(case: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    if not _batch_dir:
-        out = tmp_path_factory.mktemp("batch")
-        run_case("+".join(BATCHED), out, timeout=TIMEOUT + 15 * len(BATCHED), ranks=())
-        _batch_dir.append(out)
+    batch = BATCHED[case]
+    if batch not in _batch_dirs:
+        cases = BATCHES[batch]
+        out = tmp_path_factory.mktemp(f"batch_{batch}")
+        run_case("+".join(cases), out, timeout=TIMEOUT + 15 * len(cases), ranks=())
+        _batch_dirs[batch] = out
     results = []
     for rank in (0, 1):
-        path = _batch_dir[0] / case / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no result for {case} (see {_batch_dir[0] / 'launcher.log'})"
+        path = _batch_dirs[batch] / case / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no result for {case} (see {_batch_dirs[batch] / 'launcher.log'})"
         results.append(json.loads(path.read_text()))
     return results
 
 
 def finished(case: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory | None = None) -> list[dict]:
     """The case's two results, checked: no error, equal weights and steps on both ranks. A case of ``BATCHED``
-    (pass ``tmp_path_factory``) comes from the shared batch run."""
+    (pass ``tmp_path_factory``) comes from its batch's shared run."""
     if case in BATCHED and tmp_path_factory is not None:
         results = _batched(case, tmp_path_factory)
     else:
@@ -127,8 +144,8 @@ def finished(case: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
     return results
 
 
-def test_basic_balance_coverage_and_one_collective_per_round(tmp_path):
-    fast, slow = finished("basic", tmp_path)
+def test_basic_balance_coverage_and_one_collective_per_round(tmp_path, tmp_path_factory):
+    fast, slow = finished("basic", tmp_path, tmp_path_factory)
     # The fast rank trains more: about 3x, as the emulated speeds.
     assert fast["steps_taken"] >= 2 * slow["steps_taken"]
     assert fast["schedule"][0] > fast["schedule"][1]
@@ -163,8 +180,8 @@ def test_pinned_local_steps(tmp_path, tmp_path_factory):
     assert fast["seen"] == 3 * slow["seen"]
 
 
-def test_rebalances_after_midrun_slowdown(tmp_path):
-    fast, _ = finished("rebalance", tmp_path)
+def test_rebalances_after_midrun_slowdown(tmp_path, tmp_path_factory):
+    fast, _ = finished("rebalance", tmp_path, tmp_path_factory)
     history = fast["history"]
     before = [h for h in history if h["local_steps"][0] == h["local_steps"][1]]
     after = [h for h in history if h["local_steps"][0] >= 2 * h["local_steps"][1]]
@@ -182,8 +199,8 @@ def test_max_steps(case, tmp_path, tmp_path_factory):
     assert fast["global_step"] == 23
 
 
-def test_max_time(tmp_path):
-    fast, slow = finished("max_time", tmp_path)
+def test_max_time(tmp_path, tmp_path_factory):
+    fast, slow = finished("max_time", tmp_path, tmp_path_factory)
     assert fast["epoch"] < 999
 
 
@@ -286,8 +303,8 @@ def test_manual_optimization_two_optimizers(tmp_path, tmp_path_factory):
     assert fast["steps_taken"] > slow["steps_taken"]
 
 
-def test_validate_test_predict_after_fit(tmp_path):
-    fast, slow = finished("eval_after_fit", tmp_path)
+def test_validate_test_predict_after_fit(tmp_path, tmp_path_factory):
+    fast, slow = finished("eval_after_fit", tmp_path, tmp_path_factory)
     assert fast["validate"][0]["val_acc"] == pytest.approx(slow["validate"][0]["val_acc"])
     assert fast["test"][0]["test_acc"] > 0.3  # 4 classes: chance is 0.25
     assert fast["predicted"] > 0
@@ -395,8 +412,8 @@ def test_resume_two_ranks_on_one_and_one_on_two(tmp_path):
     assert fast["seen"] + slow["seen"] == 512
 
 
-def test_warmup_longer_than_max_steps_shrinks_to_the_run(tmp_path):
-    fast, slow = finished("warmup_too_long", tmp_path)  # warmup_steps=8, max_steps=5
+def test_warmup_longer_than_max_steps_shrinks_to_the_run(tmp_path, tmp_path_factory):
+    fast, slow = finished("warmup_too_long", tmp_path, tmp_path_factory)  # warmup_steps=8, max_steps=5
     assert fast["global_step"] == slow["global_step"] == 5
     assert fast["history"][0]["local_steps"] == [5, 5]
 
@@ -492,8 +509,8 @@ def _epochs_complete(fast: dict, slow: dict, n: int) -> None:
         assert sorted(a + b) == list(range(n)), f"epoch {epoch}: every sample exactly once"
 
 
-def test_deadline_rounds_follow_the_clock_and_train_every_sample_once(tmp_path):
-    fast, slow = finished("deadline", tmp_path)  # identical weights, no hang
+def test_deadline_rounds_follow_the_clock_and_train_every_sample_once(tmp_path, tmp_path_factory):
+    fast, slow = finished("deadline", tmp_path, tmp_path_factory)  # identical weights, no hang
     assert len(fast["trained"]) == 3
     _epochs_complete(fast, slow, 480)
     solved = [h for h in fast["history"] if h["round"] > 1]
@@ -503,8 +520,8 @@ def test_deadline_rounds_follow_the_clock_and_train_every_sample_once(tmp_path):
     assert sum(len(a) for a in fast["trained"]) > 2 * sum(len(b) for b in slow["trained"])
 
 
-def test_timed_warmup_keeps_the_fast_rank_training_while_the_slow_one_warms_up(tmp_path):
-    fast, slow = finished("timed_warmup", tmp_path)  # identical weights, no hang
+def test_timed_warmup_keeps_the_fast_rank_training_while_the_slow_one_warms_up(tmp_path, tmp_path_factory):
+    fast, slow = finished("timed_warmup", tmp_path, tmp_path_factory)  # identical weights, no hang
     _epochs_complete(fast, slow, 480)
     first = fast["history"][0]
     assert first["local_steps"] == [2, 2]
@@ -512,7 +529,7 @@ def test_timed_warmup_keeps_the_fast_rank_training_while_the_slow_one_warms_up(t
     assert slow_steps == 2, "the slow rank takes its warm-up steps"
     assert 4 <= fast_steps <= 16, "the fast rank (3x) kept training meanwhile, within the round's 16 slots"
     assert fast["collectives"] == slow["collectives"] <= fast["num_averagings"], "no collective beyond the rounds'"
-    fixed, _ = finished("fixed_warmup", tmp_path / "fixed")
+    fixed, _ = finished("fixed_warmup", tmp_path / "fixed", tmp_path_factory)
     assert [s // 8 for s in fixed["history"][0]["samples"]] == [2, 2]
 
 
@@ -529,8 +546,10 @@ def test_deadline_rounds_resume_mid_round_without_losing_or_repeating_data(tmp_p
 
 
 @pytest.mark.parametrize("case, bound", [("ps_ssp", 2), ("ps_dssp", 1 + 3)])
-def test_ssp_and_dssp_on_the_in_job_server_keep_their_bound_and_lightning_semantics(case, bound, tmp_path):
-    fast, slow = finished(case, tmp_path)  # equal weights and global steps on both ranks, no hang
+def test_ssp_and_dssp_on_the_in_job_server_keep_their_bound_and_lightning_semantics(
+    case, bound, tmp_path, tmp_path_factory
+):
+    fast, slow = finished(case, tmp_path, tmp_path_factory)  # equal weights and global steps on both ranks, no hang
     _epochs_complete(fast, slow, 480)
     assert "val_loss" in fast["metrics"]
     for r in (fast, slow):
@@ -539,21 +558,26 @@ def test_ssp_and_dssp_on_the_in_job_server_keep_their_bound_and_lightning_semant
     assert len(sum(fast["trained"], [])) > len(sum(slow["trained"], [])), "the faster rank took more of the data"
 
 
-def test_asp_on_the_in_job_server_never_waits(tmp_path):
-    fast, slow = finished("ps_asp", tmp_path)
+def test_asp_on_the_in_job_server_never_waits(tmp_path, tmp_path_factory):
+    fast, slow = finished("ps_asp", tmp_path, tmp_path_factory)
     _epochs_complete(fast, slow, 480)
     assert fast["ps"]["held"] == slow["ps"]["held"] == 0
     assert max(fast["ps"]["staleness"] + slow["ps"]["staleness"]) >= 2, "the fast rank ran ahead"
     assert len(sum(fast["trained"], [])) >= 2 * len(sum(slow["trained"], []))
 
 
-@pytest.mark.parametrize("generator", ["smart", "random"])
-def test_ripples_groups_keep_lightning_semantics_and_smart_groups_spare_the_fast_rank(generator, tmp_path):
-    fast, slow = finished(f"ripples_{generator}", tmp_path)  # equal weights and global steps, no hang
+@pytest.mark.parametrize("generator", ["smart", "random", "overlap"])
+def test_ripples_groups_keep_lightning_semantics_and_smart_groups_spare_the_fast_rank(
+    generator, tmp_path, tmp_path_factory
+):
+    fast, slow = finished(f"ripples_{generator}", tmp_path, tmp_path_factory)  # equal weights and global steps, no hang
     _epochs_complete(fast, slow, 480)
     assert "val_loss" in fast["metrics"]
     fast_report, slow_report = fast["ripples"], slow["ripples"]
     assert fast_report["groups"] > 0 and slow_report["groups"] > 0, "one group per real step"
+    for report in (fast_report, slow_report):  # overlap: exchanges applied after the next step, not at once
+        assert (report["applied_late"] > 0) == (generator == "overlap")
+    generator = "smart" if generator == "overlap" else generator  # overlap runs smart groups
     if generator == "smart":  # under random pairing both keep about one pace (CI once saw 58 against 62)
         assert fast_report["groups"] >= slow_report["groups"]
     met = fast_report["met"]  # rank 0 runs the generator: how often the two ranks averaged together
@@ -570,8 +594,8 @@ def test_ripples_groups_keep_lightning_semantics_and_smart_groups_spare_the_fast
         assert slow_report["mean_group_size"] > 1.8 and fast_report["mean_group_size"] > 1.2
 
 
-def test_dasp_moves_a_slow_rank_out_of_the_synchronous_group_and_back(tmp_path):
-    fast, slow = finished("ps_dasp", tmp_path)
+def test_dasp_moves_a_slow_rank_out_of_the_synchronous_group_and_back(tmp_path, tmp_path_factory):
+    fast, slow = finished("ps_dasp", tmp_path, tmp_path_factory)
     _epochs_complete(fast, slow, 480)
     states = [state for r in (fast, slow) for _, worker, state in r["ps"]["switches"] if worker == 1]
     assert "async" in states and states[-1] == "sync", states
