@@ -60,6 +60,14 @@ CONFIGS = {
     "ripples-smart": ["--strategy", "ripples", "--option", "generator=smart", "--option", "overlap=false"],
     "ripples-random": ["--strategy", "ripples", "--option", "generator=random", "--option", "overlap=false"],
     "ripples-smart-overlap": ["--strategy", "ripples", "--option", "generator=smart", "--option", "overlap=true"],
+    "ripples-smart-overlap-timed-warmup": [
+        "--strategy",
+        "ripples",
+        "--option",
+        "overlap=true",
+        "--option",
+        "timed_warmup=true",
+    ],
 }
 PARADIGM_CONFIGS = (
     "bsp",

@@ -139,7 +139,8 @@ class RoundDriver:
             try:
                 self.scheme.after_step()  # inside the step's measured time: a parameter server's wait is part of it
             except Exception as error:  # a peer died, raised or hung: name it, then stop
-                raise RuntimeError(self._collective_failure(error)) from error
+                what = f"the {self.scheme.name} exchange after a step"
+                raise RuntimeError(self._collective_failure(error, what)) from error
         next_round = self.rounds.end_slot(batch_idx, self.loader.batches_per_slot, trainer.num_training_batches)
         if next_round is not None:
             self.average(trainer, next_round=next_round)
@@ -210,14 +211,15 @@ class RoundDriver:
         mask = agree_on_layout(optimizer_state_layout(s.optimizers), s.root_device)
         return averaged_tensors(module, s.optimizers, state_mask=mask, extra_modules=extra)
 
-    def _collective_failure(self, error: BaseException) -> str:
+    def _collective_failure(self, error: BaseException, what: str = "the averaging all-reduce") -> str:
         self.rounds.failed = True
         n, rank = self.strategy.world_size, self.strategy.global_rank
         board = FailureBoard.from_default_group(n)
         round_index = self.rounds.num_averagings + 1
         if board is not None:
-            return board.explain(rank, round_index, error)
-        return describe_collective_failure(rank, n, round_index, {}, [rank], f"{type(error).__name__}: {error}")
+            return board.explain(rank, round_index, error, what=what)
+        cause = f"{type(error).__name__}: {error}"
+        return describe_collective_failure(rank, n, round_index, {}, [rank], cause, what=what)
 
     def report_failure(self, error: BaseException) -> None:
         """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""

@@ -26,6 +26,7 @@ def describe_collective_failure(
     reached: Sequence[int],
     cause: str,
     store_reachable: bool = True,
+    what: str = "the averaging all-reduce",
 ) -> str:
     """The message a surviving rank raises (pure; unit-tested).
 
@@ -37,8 +38,9 @@ def describe_collective_failure(
         reached: ranks known to have reached this round's all-reduce.
         cause: the collective's own error text.
         store_reachable: whether the notes could be read at all (the store lives in rank 0's process).
+        what: the exchange that failed (a round's all-reduce, or a paradigm's exchange after a step within it).
     """
-    lines = [f"oscars: the averaging all-reduce of round {round_index} failed on rank {rank} of {world_size}."]
+    lines = [f"oscars: {what} of round {round_index} failed on rank {rank} of {world_size}."]
     if errors:
         for failed, text in sorted(errors.items()):
             lines.append(f"Rank {failed} failed: {text}")
@@ -100,7 +102,14 @@ class FailureBoard:
                 reached.append(rank)
         return errors, reached
 
-    def explain(self, rank: int, round_index: int, cause: BaseException, grace: float = 1.0) -> str:
+    def explain(
+        self,
+        rank: int,
+        round_index: int,
+        cause: BaseException,
+        grace: float = 1.0,
+        what: str = "the averaging all-reduce",
+    ) -> str:
         """Leave this rank's note, give the other survivors ``grace`` seconds to leave theirs, then describe."""
         try:
             self.report_reached(rank, round_index)
@@ -110,7 +119,7 @@ class FailureBoard:
         except Exception:  # noqa: BLE001 - the store died with rank 0
             errors, reached, reachable = {}, [rank], False
         return describe_collective_failure(
-            rank, self.world_size, round_index, errors, reached, f"{type(cause).__name__}: {cause}", reachable
+            rank, self.world_size, round_index, errors, reached, f"{type(cause).__name__}: {cause}", reachable, what
         )
 
     def _set(self, key: str, value: str) -> None:

@@ -45,6 +45,9 @@ class StepSyncStrategy(OscarsStrategy):
         warmup_steps: steps every rank takes in the first round, which measures the step times the deadline
             rounds are sized from.
         max_local_steps: the most steps a rank takes per round (rounds last about this many steps of the fastest).
+        timed_warmup: as for ``oscars``: faster ranks keep training while the slowest takes its warm-up steps
+            (off by default: the paradigms were measured without it; under ``ripples`` it buys nothing, since before
+            the generator knows the paces a fast rank's groups tie it to the slow one's).
         seed, monitor, timeout, start_method, process_group_backend: as for ``oscars``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
     """
@@ -55,6 +58,7 @@ class StepSyncStrategy(OscarsStrategy):
         self,
         warmup_steps: int = 4,
         max_local_steps: int = 16,
+        timed_warmup: bool = False,
         seed: int | None = None,
         monitor: bool = True,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
@@ -71,7 +75,7 @@ class StepSyncStrategy(OscarsStrategy):
         super().__init__(
             warmup_steps=warmup_steps,
             max_local_steps=max_local_steps,
-            timed_warmup=False,
+            timed_warmup=timed_warmup,
             deadline_rounds=True,
             seed=seed,
             monitor=monitor,

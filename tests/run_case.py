@@ -441,8 +441,8 @@ def build(case: str, out: Path):
             strategy = SSPStrategy(staleness=2, warmup_steps=2)
         elif case == "ps_dssp":
             strategy = DSSPStrategy(s_low=1, s_range=3, warmup_steps=2)
-        elif case == "ps_asp":
-            strategy = ASPStrategy(warmup_steps=2)
+        elif case == "ps_asp":  # with the time-boxed warm-up (off by default on the server)
+            strategy = ASPStrategy(warmup_steps=2, timed_warmup=True)
         else:  # 3x slower for the first 2 s, then as fast as rank 0: out of the synchronous group and back
             # (6 epochs: on a loaded CI machine 4 left too little time at 1x for the smoothed speed to rejoin)
             strategy = DASPStrategy(leave=1.3, rejoin=1.15, patience=2, warmup_steps=2)

@@ -15,6 +15,14 @@ def test_message_names_the_rank_that_raised():
     assert "Connection closed by peer" in text
 
 
+def test_message_names_an_exchange_within_a_round():
+    text = describe_collective_failure(
+        0, 2, 4, {1: "ValueError: x"}, [0], "reset", what="the ripples exchange after a step"
+    )
+    assert text.startswith("oscars: the ripples exchange after a step of round 4 failed on rank 0 of 2.")
+    assert "all-reduce" not in text
+
+
 def test_message_names_ranks_that_never_arrived():
     text = describe_collective_failure(1, 4, 3, {}, [0, 1], "Timed out")
     assert "Rank(s) 2, 3 did not reach this round" in text

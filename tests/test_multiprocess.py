@@ -564,6 +564,9 @@ def test_asp_on_the_in_job_server_never_waits(tmp_path, tmp_path_factory):
     assert fast["ps"]["held"] == slow["ps"]["held"] == 0
     assert max(fast["ps"]["staleness"] + slow["ps"]["staleness"]) >= 2, "the fast rank ran ahead"
     assert len(sum(fast["trained"], [])) >= 2 * len(sum(slow["trained"], []))
+    # Asked for, the time-boxed warm-up: the 3x faster rank keeps training while the slow one takes its 2 steps.
+    warmup = [s // 8 for s in fast["history"][0]["samples"]]
+    assert warmup[1] == 2 and warmup[0] > 2, warmup
 
 
 @pytest.mark.parametrize("generator", ["smart", "random", "overlap"])
