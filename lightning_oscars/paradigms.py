@@ -46,8 +46,7 @@ class StepSyncStrategy(OscarsStrategy):
             rounds are sized from.
         max_local_steps: the most steps a rank takes per round (rounds last about this many steps of the fastest).
         timed_warmup: as for ``oscars``: faster ranks keep training while the slowest takes its warm-up steps
-            (off by default: the paradigms were measured without it; under ``ripples`` it buys nothing, since before
-            the generator knows the paces a fast rank's groups tie it to the slow one's).
+            (off by default: the paradigms were measured without it).
         seed, monitor, timeout, start_method, process_group_backend: as for ``oscars``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
     """
