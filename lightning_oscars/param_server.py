@@ -14,8 +14,12 @@ rate. A non-linear optimizer (Adam) gives the mean of the workers' steps instead
 
 The rule runs on every shard's own clocks (the pushes that shard applied): a reply from shard ``j`` holds every
 update the rule requires *of shard* ``j``, which is the staleness guarantee, with one round trip and no coordinator.
-Shards see the same pushes per worker in order; stateful rules (DSSP's grants, DASP's states) may differ between
-shards for a moment, and a worker then waits for the strictest.
+Shards see the same pushes per worker in order, but interleaved differently with other workers' pushes. DSSP's
+grants may then differ between shards for a moment: a worker waits for the strictest, and the slowest worker is
+allowed on every shard, so somebody always moves. DASP's states and offsets must not differ: two shards that put
+a rejoining worker's count at different offsets can each hold one of two workers for the other, for ever. So a
+rule's per-worker state (``StalenessRule.decision``) is decided by the worker's own shard, at its push, and the
+push carries it to the other shards, which adopt it.
 
 Plumbing (gloo): two process groups made once, by every rank in the same order: requests (workers to servers)
 and replies (servers to workers), so that a server's receive-from-anyone never takes a reply. A worker posts its
@@ -42,8 +46,10 @@ from lightning_oscars.staleness import StalenessRule, WorkerTimes
 
 __all__ = ["ParameterServer", "Shard", "shard_bounds"]
 
-# Header of every request: operation, worker rank, the worker's clock after the push, its busy seconds.
-_HEADER = 4
+# Header of every request: operation, worker rank, the worker's clock after the push, its busy seconds, and the
+# rule's decision for the worker (``StalenessRule.decision``, zero-padded).
+_DECISION = 2
+_HEADER = 4 + _DECISION
 _PUSH, _PULL, _STOP, _END_ROUND = 1.0, 2.0, 3.0, 4.0
 
 
@@ -92,8 +98,12 @@ class Shard:
         top = max(self.clocks) + 1
         return [top + 1 if w in self.stopped or w in self.idle else c for w, c in enumerate(self.clocks)]
 
-    def push(self, worker: int, delta: Tensor, clock: int, busy_s: float) -> None:
-        """Apply ``worker``'s update; ``clock`` is the number of updates it has pushed, this one included."""
+    def push(
+        self, worker: int, delta: Tensor, clock: int, busy_s: float, decided: Sequence[float] | None = None
+    ) -> tuple[float, ...]:
+        """Apply ``worker``'s update; ``clock`` is the number of updates it has pushed, this one included.
+        ``decided``: the rule's decision for ``worker`` from its own shard, adopted here; ``None`` on the worker's own
+        shard, which decides it. Returns the decision (to carry to the other shards)."""
         with self._changed:
             if delta.numel():
                 self.values.add_(delta, alpha=1.0 / self.world_size)
@@ -101,8 +111,12 @@ class Shard:
             self.idle.discard(worker)
             now = self._now()
             self.times.pushed(worker, now, busy_s)
-            self.rule.pushed(worker, self._effective(), self.times, now)
+            if decided is None or not self.rule.decision_size:
+                self.rule.pushed(worker, self._effective(), self.times, now)
+            else:
+                self.rule.adopt(worker, decided, now)
             self._changed.notify_all()
+            return self.rule.decision(worker)
 
     def stop(self, worker: int) -> None:
         with self._changed:
@@ -216,7 +230,8 @@ class ParameterServer:
                     running -= 1
                     self.shard.stop(worker)
                 elif op == _PUSH:
-                    self.shard.push(worker, buffer[_HEADER:], int(buffer[2]), float(buffer[3]))
+                    decided = buffer[4 : 4 + self.shard.rule.decision_size].tolist()
+                    self.shard.push(worker, buffer[_HEADER:], int(buffer[2]), float(buffer[3]), decided)
                     self.shard.may_start(worker, first=True)  # counts a held reply
                     with self._replying:
                         self._pending.append(worker)
@@ -251,12 +266,14 @@ class ParameterServer:
         for server, (start, end) in enumerate(self.bounds):
             if server != self.rank:
                 receives.append((server, dist.irecv(out[start:end], src=server, group=self._replies)))
-        sends = self._send_to_servers(op, payload, busy_s)
         start, end = self.bounds[self.rank]
         began = time.perf_counter()
-        if op == _PUSH:
+        decision: tuple[float, ...] = ()
+        if op == _PUSH:  # the own shard first: it decides the rule's state for this worker, the push carries it
             assert payload is not None
-            self.shard.push(self.rank, payload[start:end], self.clock, busy_s)
+            decision = self.shard.push(self.rank, payload[start:end], self.clock, busy_s)
+        sends = self._send_to_servers(op, payload, busy_s, decision)
+        if op == _PUSH:
             self._answer()
             out[start:end] = self.shard.wait(self.rank, self.timeout_s, self.peer_failure)
         else:
@@ -269,15 +286,20 @@ class ParameterServer:
         self.waited_s += time.perf_counter() - began
         return out
 
-    def _send_to_servers(self, op: float, payload: Tensor | None, busy_s: float) -> list[tuple[int, Any, Tensor]]:
-        """Start sending ``op`` to every remote server, with its shard's slice of ``payload`` (zeros without one):
-        ``(server, work, message)``, the message kept alive until its send completes."""
+    def _send_to_servers(
+        self, op: float, payload: Tensor | None, busy_s: float, decision: Sequence[float] = ()
+    ) -> list[tuple[int, Any, Tensor]]:
+        """Start sending ``op`` to every remote server, with its shard's slice of ``payload`` (zeros without one) and
+        the rule's ``decision`` for this worker: ``(server, work, message)``, the message kept alive until its send
+        completes."""
+        if len(decision) > _DECISION:
+            raise ValueError(f"a rule's decision has at most {_DECISION} numbers, got {len(decision)}")
         sends = []
         for server, (start, end) in enumerate(self.bounds):
             if server == self.rank:
                 continue
             message = torch.zeros(_HEADER + end - start, dtype=torch.float32)
-            message[:_HEADER] = torch.tensor([op, self.rank, self.clock, busy_s])
+            message[: 4 + len(decision)] = torch.tensor([op, self.rank, self.clock, busy_s, *decision])
             if payload is not None:
                 message[_HEADER:] = payload[start:end]
             sends.append((server, dist.isend(message, dst=server, group=self._requests), message))

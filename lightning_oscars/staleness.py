@@ -26,7 +26,9 @@ A worker at clock ``c`` that starts while the slowest is at ``m`` computes on pa
   waits and the synchronous ones never wait for it. A worker that rejoins counts its iterations from the
   synchronous group's furthest one (it pulls fresh parameters), so nobody waits for it to catch up on clocks.
   So a slow worker stops holding the fast group back, and the fast group does not pile stale updates on the
-  server the way ASP does.
+  server the way ASP does. Every shard of the server must agree on a worker's state and offset (shards that
+  disagree can hold two workers for each other for ever), so the worker's own shard decides them
+  (:meth:`StalenessRule.decision`) and the others adopt what the worker's pushes carry.
 
 Pure: no torch, no torch.distributed; time is passed in.
 """
@@ -98,6 +100,17 @@ class StalenessRule:
 
     def restart(self, worker: int) -> None:  # noqa: B027 - optional: most rules keep no per-clock state
         """``worker``'s clock restarts from 0 (everybody met at a round's end): forget state tied to its clocks."""
+
+    # A rule whose per-worker state must be the same on every shard (a shard's view of the other workers lags by
+    # up to a message) has it decided by one shard only, the worker's own, and carried with the worker's pushes.
+    decision_size = 0  # numbers in :meth:`decision`
+
+    def decision(self, worker: int) -> tuple[float, ...]:
+        """``worker``'s state as its own shard decided it at its last push, to be :meth:`adopt`-ed elsewhere."""
+        return ()
+
+    def adopt(self, worker: int, decision: Sequence[float], now: float) -> None:  # noqa: B027 - optional
+        """Take ``worker``'s state from its own shard's :meth:`decision`, in place of :meth:`pushed`."""
 
 
 class BSP(StalenessRule):
@@ -180,8 +193,23 @@ class DASP(StalenessRule):
         self._offset: dict[int, int] = {}  # worker -> clocks it ran while asynchronous, not counted among the sync
         self.switches: list[tuple[float, int, str]] = []  # (time, worker, new state)
 
+    decision_size = 2  # asynchronous (1.0) or not, and the offset
+
     def restart(self, worker: int) -> None:
         self._offset.pop(worker, None)
+
+    def decision(self, worker: int) -> tuple[float, ...]:
+        return float(worker in self.asynchronous), float(self._offset.get(worker, 0))
+
+    def adopt(self, worker: int, decision: Sequence[float], now: float) -> None:
+        asynchronous, offset = bool(decision[0]), int(decision[1])
+        if asynchronous != (worker in self.asynchronous):
+            self.asynchronous.symmetric_difference_update({worker})
+            self.switches.append((now, worker, self.state(worker)))
+        if offset:
+            self._offset[worker] = offset
+        else:
+            self._offset.pop(worker, None)
 
     def state(self, worker: int) -> str:
         return "async" if worker in self.asynchronous else "sync"

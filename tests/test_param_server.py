@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import torch
 from subproc import ROOT, clean_env, run
 
 from lightning_oscars.param_server import Shard, shard_bounds
-from lightning_oscars.staleness import ASP, BSP, SSP
+from lightning_oscars.staleness import ASP, BSP, DASP, DSSP, SSP, StalenessRule
 
 
 def test_shards_cover_the_parameters_contiguously_and_evenly():
@@ -53,6 +55,84 @@ def test_asp_never_holds_a_reply():
         shard.push(0, torch.ones(1), clock=clock, busy_s=0.01)
         assert shard.may_start(0)
     assert float(shard.values) == pytest.approx(49 / 3)
+
+
+def _serve_in_simulated_time(
+    make_rule, seed: int, workers: int = 3, pushes: int = 1500, carry: bool = True
+) -> tuple[bool, list[Shard], list[int]]:
+    """The parameter server's protocol on real :class:`Shard` objects, in simulated time, without processes: a
+    worker pushes to its own shard first (which decides the rule's state for it), then to every other shard, each
+    message arriving after a random delay, in order per link (gloo's TCP pairs are FIFO). A shard answers a worker
+    once that worker's push arrived and the rule lets it start; the worker steps again once every shard answered.
+    ``carry=False`` is the protocol before the fix: every shard decided for itself. Worker 1 turns 3x slower and
+    back every 0.15 s, every step jitters. Returns (whether all ``pushes`` happened, the shards after every message
+    in flight arrived, every worker's clock)."""
+    rng = random.Random(seed)
+    now = [0.0]
+    shards = [Shard(torch.zeros(0), workers, make_rule(), now=lambda: now[0]) for _ in range(workers)]
+    clocks = [0] * workers
+    events: list = []
+    order = iter(range(10**9))
+
+    def busy(worker: int, t: float) -> float:
+        slow = 3.0 if worker == 1 and int(t / 0.15) % 2 == 0 else 1.0
+        return 0.004 * slow * rng.uniform(0.6, 1.8)
+
+    for w in range(workers):
+        heapq.heappush(events, (busy(w, 0.0), next(order), ("step done", w)))
+    waiting: dict[int, set[int]] = {}  # worker -> shards that have not answered its last push
+    arrived: dict[int, set[int]] = {}  # worker -> shards its last push reached
+    link_free: dict[tuple[int, int], float] = {}
+    while events and sum(clocks) < pushes:
+        now[0], _, event = heapq.heappop(events)
+        if event[0] == "step done":
+            w = event[1]
+            clocks[w] += 1
+            b = busy(w, now[0])
+            decision = shards[w].push(w, torch.zeros(0), clocks[w], b)
+            for s in set(range(workers)) - {w}:
+                at = link_free[w, s] = max(now[0] + rng.expovariate(1 / 0.003), link_free.get((w, s), 0.0))
+                heapq.heappush(events, (at, next(order), ("push", s, w, clocks[w], b, decision if carry else None)))
+            waiting[w], arrived[w] = set(range(workers)), {w}
+        else:
+            _, s, w, clock, b, decision = event
+            shards[s].push(w, torch.zeros(0), clock, b, decision)
+            arrived[w].add(s)
+        for w in list(waiting):
+            waiting[w] -= {s for s in waiting[w] & arrived[w] if shards[s].may_start(w)}
+            if not waiting[w]:
+                del waiting[w]
+                heapq.heappush(events, (now[0] + busy(w, now[0]), next(order), ("step done", w)))
+    finished = sum(clocks) >= pushes
+    for _, _, event in sorted(events):  # deliver what is in flight
+        if event[0] == "push":
+            _, s, w, clock, b, decision = event
+            shards[s].push(w, torch.zeros(0), clock, b, decision)
+    return finished, shards, clocks
+
+
+@pytest.mark.parametrize(
+    "make_rule",
+    [lambda: DASP(leave=1.3, rejoin=1.15, patience=2), lambda: DSSP(s_low=1, s_range=3), lambda: SSP(2)],
+    ids=["dasp", "dssp", "ssp"],
+)
+def test_no_rule_deadlocks_the_shards_and_dasp_states_agree_on_every_shard(make_rule):
+    for seed in range(8):
+        finished, shards, clocks = _serve_in_simulated_time(make_rule, seed)
+        assert finished, f"seed {seed}: every worker waits for another (clocks {clocks})"
+        assert min(clocks) > 30, f"seed {seed}: a worker starved (clocks {clocks})"
+        rule: StalenessRule = shards[0].rule
+        if isinstance(rule, DASP):
+            assert any(r.switches for r in (s.rule for s in shards)), "the run moved worker 1 between the states"
+            for w in range(3):
+                assert len({s.rule.decision(w) for s in shards}) == 1, f"seed {seed}: shards disagree on worker {w}"
+
+
+def test_dasp_shards_deciding_states_on_their_own_deadlock_which_is_why_the_push_carries_them():
+    """The hang CI met (rank 0 and rank 1 each held by the other's shard): two shards put a rejoining worker's count
+    at different offsets. Guards the simulation's power to find it."""
+    outcomes = [_serve_in_simulated_time(lambda: DASP(1.3, 1.15, 2), seed, carry=False)[0] for seed in range(8)]
+    assert not all(outcomes)
 
 
 def _run(case: str, tmp_path: Path) -> list[dict]:
