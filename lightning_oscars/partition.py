@@ -169,6 +169,19 @@ def deadline_round_fits(reserve: Sequence[int], remaining_units: int, remaining_
     return remaining_units - sum(reserve) >= n and remaining_units - n <= n * (remaining_slots - length)
 
 
+def fitting_reservation(
+    reserve: Sequence[int], floor: Sequence[int], remaining_units: int, remaining_slots: int
+) -> tuple[int, ...] | None:
+    """``reserve`` capped at the largest length (down to ``floor``, per rank) at which a deadline round
+    :func:`deadline_round_fits`; ``None`` if not even ``floor`` fits. An epoch too short for a reservation gets a
+    shorter one, not none."""
+    for cap in range(max(reserve), max(floor) - 1, -1):
+        capped = tuple(max(min(r, cap), f) for r, f in zip(reserve, floor))
+        if deadline_round_fits(capped, remaining_units, remaining_slots):
+            return capped
+    return None
+
+
 def plan_rounds(
     local_steps: Sequence[int],
     total_units: int,
@@ -181,14 +194,18 @@ def plan_rounds(
     """The rounds from ``start_slot`` to ``total_slots`` if every round follows ``local_steps``. With ``reserve``
     (per-rank reservations of deadline rounds), rounds are deadline rounds while :func:`deadline_round_fits`, laid
     out as if every reservation were trained (settling re-plans), and plain rounds after. With ``warmup_reserve``
-    the first round is a time-boxed warm-up reserving that much, if it fits."""
+    the first round is a time-boxed warm-up reserving that much, or as much as fits (:func:`fitting_reservation`;
+    a plain round if not even ``local_steps`` fits)."""
     steps = tuple(local_steps)
     rounds: list[Round] = []
     slot, unit = start_slot, first_unit
-    if warmup_reserve is not None and deadline_round_fits(warmup_reserve, total_units - unit, total_slots - slot):
-        rounds.append(Round(slot, max(warmup_reserve), tuple(warmup_reserve), unit, deadline=True, warmup=True))
-        slot += max(warmup_reserve)
-        unit += sum(warmup_reserve)
+    warmup = None
+    if warmup_reserve is not None:
+        warmup = fitting_reservation(warmup_reserve, steps, total_units - unit, total_slots - slot)
+    if warmup is not None:
+        rounds.append(Round(slot, max(warmup), warmup, unit, deadline=True, warmup=True))
+        slot += max(warmup)
+        unit += sum(warmup)
     while slot < total_slots:
         if reserve is not None and deadline_round_fits(reserve, total_units - unit, total_slots - slot):
             rounds.append(Round(slot, max(reserve), tuple(reserve), unit, deadline=True))

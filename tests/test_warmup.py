@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oscars import RoundController, SchedulePolicy
 from lightning_oscars.control import ControlData
-from lightning_oscars.partition import EpochPlan, deadline_round_fits
+from lightning_oscars.partition import EpochPlan, deadline_round_fits, fitting_reservation
 from lightning_oscars.warmup import WarmupGate, warmup_reservation
 
 
@@ -79,9 +79,16 @@ def test_the_plan_lays_out_only_the_first_round_as_the_warmup_and_settles_it():
     assert plan.rounds[0].warmup and plan.rounds[0].quotas == (12, 4)
     restored = EpochPlan.from_state_dict(2, plan.state_dict())
     assert restored.rounds == plan.rounds and restored.order == plan.order
-    # An epoch too short for the reservation starts with a plain warm-up.
+    # An epoch too short for the reservation gets the largest that fits: 14 of 30 units per rank leaves one each.
     assert not deadline_round_fits((16, 16), 30, 30)
-    assert not EpochPlan(2, 30, 30, (4, 4), warmup_reserve=(16, 16)).rounds[0].deadline
+    assert fitting_reservation((16, 16), (4, 4), 30, 30) == (14, 14) and deadline_round_fits((14, 14), 30, 30)
+    short = EpochPlan(2, 30, 30, (4, 4), warmup_reserve=(16, 16)).rounds[0]
+    assert short.warmup and short.deadline and short.quotas == (14, 14)
+    # Slots bound it too: if each rank trained only one unit of it, the other 28 need 14 of the 20 slots.
+    assert fitting_reservation((16, 16), (4, 4), 30, 20) == (6, 6)
+    # One too short for even the warm-up's own steps starts with a plain warm-up.
+    assert fitting_reservation((16, 16), (4, 4), 9, 9) is None
+    assert not EpochPlan(2, 9, 9, (4, 4), warmup_reserve=(16, 16)).rounds[0].deadline
     with pytest.raises(ValueError, match="warmup_reserve"):
         EpochPlan(2, 100, 90, (4, 4), warmup_reserve=(16,))
 
