@@ -5,8 +5,8 @@
   Workers push requests onto one queue; the coordinator pops them in order and pushes each group onto every
   member's own queue, which *is* the member's Group Buffer: first in, first out, one global order.
 * **Worker** (:class:`GroupClient`): after each iteration a worker asks (reporting how many groups it performed and
-  its busy time), pops its next group and averages with the members (:func:`partial_average`); with ``overlap`` it
-  posts the exchange (:class:`GroupExchange`) and applies it after its next step, as a correction. At its round's end
+  its busy time), pops its next group and averages with the members (:class:`GroupExchange`, waited for at once);
+  with ``overlap`` it posts the exchange and applies it after its next step, as a correction. At its round's end
   it says so, performs what its queue still holds up to an end marker the coordinator appends (no group is made
   with it afterwards), and joins the round's global all-reduce.
 * **Partial all-reduce**: every member sends its flat parameters to every other member and receives theirs over
@@ -35,7 +35,7 @@ from lightning_oscars.groups import GroupBoard, meetings
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.schemes import ModelAveraging
 
-__all__ = ["GroupClient", "GroupCoordinator", "GroupExchange", "RipplesScheme", "partial_average"]
+__all__ = ["GroupClient", "GroupCoordinator", "GroupExchange", "RipplesScheme"]
 
 _STOP = "S"
 _REQUEST = "R"
@@ -158,11 +158,6 @@ class GroupExchange:
         return total / len(self.members)
 
 
-def partial_average(flat: Tensor, members: Sequence[int], rank: int, group: Any, timeout: timedelta) -> Tensor:
-    """The members' mean of ``flat`` (a CPU tensor, the same size on every member), exchanged point to point."""
-    return GroupExchange(flat, members, rank, group).mean(timeout)
-
-
 class RipplesScheme(ModelAveraging):
     """A partial all-reduce with the worker's group after every real step; a global average at every round's end.
 
@@ -204,6 +199,7 @@ class RipplesScheme(ModelAveraging):
         self.sizes: list[int] = []
         self.applied_late = 0  # overlap: exchanges applied as a correction after a later step
         self.waited_s = 0.0
+        self.asked_s = 0.0  # of waited_s: asking the coordinator for the next group (the store's round trips)
         self.report: dict[str, Any] = {}
 
     def bind(self, parameters: Iterable[Tensor]) -> None:
@@ -212,7 +208,7 @@ class RipplesScheme(ModelAveraging):
 
         self.release()
         self._params = list(parameters)
-        self.sizes, self.applied_late, self.waited_s, self.report = [], 0, 0.0, {}
+        self.sizes, self.applied_late, self.waited_s, self.asked_s, self.report = [], 0, 0.0, 0.0, {}
         if not dist.is_initialized() or dist.get_world_size() < 2:
             return  # one process: nobody to average with
         self._rank, n = dist.get_rank(), dist.get_world_size()
@@ -250,7 +246,10 @@ class RipplesScheme(ModelAveraging):
             return
         started = time.perf_counter()
         self._finish_pending()
-        self._perform(self.client.next_group(), self.overlap)
+        asked = time.perf_counter()
+        members = self.client.next_group()
+        self.asked_s += time.perf_counter() - asked
+        self._perform(members, self.overlap)
         self.waited_s += time.perf_counter() - started
 
     def synchronize(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
@@ -272,6 +271,7 @@ class RipplesScheme(ModelAveraging):
                 "mean_group_size": sum(self.sizes) / len(self.sizes),
                 "applied_late": self.applied_late,
                 "waited_s": self.waited_s,
+                "asked_s": self.asked_s,
             }
         if coordinator is not None:
             coordinator.stop()

@@ -170,7 +170,8 @@ class DSSP(StalenessRule):
     def _extra(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> int:
         """Further iterations ``r`` in ``0..s_range`` whose predicted end is closest to the slowest's next push."""
         own = times.iteration_s[worker]
-        laggards = [w for w in range(len(clocks)) if clocks[w] == min(clocks)]
+        slowest = min(clocks)
+        laggards = [w for w, clock in enumerate(clocks) if clock == slowest]
         if own <= 0.0 or any(times.iteration_s[w] <= 0.0 for w in laggards):
             return 0  # nothing measured yet: plain SSP at s_low
         arrival = max(times.last_push[w] + times.iteration_s[w] for w in laggards)
