@@ -193,6 +193,9 @@ class RipplesStrategy(StepSyncStrategy):
             correction that keeps this rank's own progress (nobody waits for a member's step to end). The default:
             faster to the same accuracy in every measured profile. ``False``: the seed's synchronous partial
             all-reduce.
+        timed_warmup: as :class:`StepSyncStrategy`'s, but on by default here: with one rank 2x or 5x slower or
+            speeds that change, the fast ranks' training during the warm-up round paid 3-8% throughput (4 ranks,
+            ``benchmarks/results/ripples_timed_warmup.md``); on equal ranks it cost 3%.
         Other options as :class:`StepSyncStrategy`'s.
     """
 
@@ -206,6 +209,7 @@ class RipplesStrategy(StepSyncStrategy):
         tolerance: float = 0.1,
         max_local_steps: int = 32,
         overlap: bool = True,
+        timed_warmup: bool = True,
         **kwargs: Any,
     ) -> None:
         self.group_size, self.generator, self.buffer_size, self.tolerance = (
@@ -215,7 +219,7 @@ class RipplesStrategy(StepSyncStrategy):
             tolerance,
         )
         self.overlap = overlap
-        super().__init__(max_local_steps=max_local_steps, **kwargs)
+        super().__init__(max_local_steps=max_local_steps, timed_warmup=timed_warmup, **kwargs)
 
     def validate(self) -> None:
         if not isinstance(self.overlap, bool):

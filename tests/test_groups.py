@@ -277,7 +277,7 @@ def test_the_strategy_overlaps_the_exchange_by_default_and_hands_its_options_to_
 
     assert RipplesStrategy().make_scheme().overlap is True
     # The time-boxed warm-up: off by default for the step-synchronised paradigms (measured so), on when asked.
-    assert not RipplesStrategy().timed_warmup and RipplesStrategy(timed_warmup=True).timed_warmup
+    assert RipplesStrategy().timed_warmup and not RipplesStrategy(timed_warmup=False).timed_warmup
     assert not SSPStrategy().timed_warmup and SSPStrategy(timed_warmup=True).timed_warmup
     scheme = RipplesStrategy(overlap=False, group_size=2, generator="random").make_scheme()
     assert scheme.overlap is False and scheme.board_options["generator"] == "random"
