@@ -129,6 +129,9 @@ class GroupBoard:
     _workers: list[_Worker] = field(init=False, repr=False)
     _divisions: int = field(default=0, init=False, repr=False)
     _random: random.Random = field(init=False, repr=False)
+    # round (a count of round ends) -> when it began, as estimated from its first requests: ``smart`` expects a
+    # worker that has not asked in its round yet one pace after that, not at once
+    _round_start: dict[int, float] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         validate_options(self.world_size, self.group_size, self.generator, self.buffer_size, self.tolerance)
@@ -159,6 +162,8 @@ class GroupBoard:
         w = self._workers[worker]
         w.requested = True
         w.consumed = max(w.consumed, consumed)
+        if w.last_request is None and w.interval is not None:  # its first request in the round: one pace after start
+            self._round_start[w.ends] = min(self._round_start.get(w.ends, now), now - w.interval)
         if w.last_request is not None:
             gap = max(0.0, now - w.last_request)
             w.interval = gap if w.interval is None else 0.7 * w.interval + 0.3 * gap
@@ -219,12 +224,23 @@ class GroupBoard:
             x = self._workers[i]
             if i == worker or self.backlog(i) > 0:
                 continue  # a worker with a group waiting reaches a new one only after that one
-            expected = 0.0 if x.last_request is None or x.interval is None else x.last_request + x.interval - now
-            wait = max(0.0, expected)
+            wait = max(0.0, self._expected(x, now))
             if wait <= limit:
                 candidates.append((wait, i))
         candidates.sort()
         return tuple(sorted([worker] + [i for _, i in candidates[: self.group_size - 1]]))
+
+
+    def _expected(self, x: _Worker, now: float) -> float:
+        """Seconds until worker ``x`` is expected to ask next: one pace after its last request, or after its round
+        began if it has not asked in it yet (after a round's end a slow worker is a whole slow step away, not due);
+        0 while its pace is unknown."""
+        if x.interval is None:
+            return 0.0
+        if x.last_request is not None:
+            return x.last_request + x.interval - now
+        start = self._round_start.get(x.ends)
+        return 0.0 if start is None else start + x.interval - now
 
 
 def validate_options(world_size: int, group_size: int, generator: str, buffer_size: int, tolerance: float) -> None:

@@ -237,6 +237,21 @@ def test_a_worker_that_left_the_next_round_already_is_not_grouped_by_a_slow_one(
     assert all(0 not in group for g in board.history[-2:] for group in [g])
 
 
+def test_smart_does_not_expect_a_slow_worker_at_once_after_a_round_end():
+    # Paces known: workers 0-2 take 40 ms per step, worker 3 takes 200 ms. All meet at a round's end at t = 1.0; the
+    # fast ones ask 40 ms later. Worker 3 is a slow step from its first request, so no fast group waits for it.
+    board = GroupBoard(4, group_size=2, generator="smart", tolerance=0.5)
+    board.know_paces([0.04, 0.04, 0.04, 0.2], 0.0)
+    for worker in range(4):
+        board.end_round(worker)
+    first = [g for w in (0, 1, 2) for _, _, g in board.request(w, board.assigned(w), 1.04)]
+    assert first and all(3 not in g for g in first), first
+    assert (0, 1) in first, "two fast workers due together still pair"
+    # Its own first request, when it is due, still finds a fast partner: it is not left out of the mixing.
+    placements = board.request(3, board.assigned(3), 1.2)
+    assert [g for _, _, g in placements if 3 in g][0] != (3,), placements
+
+
 def test_smart_does_not_pick_a_worker_twice_before_it_is_ready():
     # At the start nobody has asked yet; the even workers ask first. A worker that has not asked holds no group of
     # its own, so one group from somebody else is all it may be given: a second would make its partner wait.
