@@ -230,7 +230,6 @@ class GroupBoard:
         candidates.sort()
         return tuple(sorted([worker] + [i for _, i in candidates[: self.group_size - 1]]))
 
-
     def _expected(self, x: _Worker, now: float) -> float:
         """Seconds until worker ``x`` is expected to ask next: one pace after its last request, or after its round
         began if it has not asked in it yet (after a round's end a slow worker is a whole slow step away, not due);
