@@ -201,6 +201,9 @@ class GroupBoard:
         w.requested = False
         w.consumed = w.assigned  # drained before the all-reduce
         w.last_request = None  # the pause is not its pace
+        oldest = min(x.ends for x in self._workers)
+        for done in [r for r in self._round_start if r < oldest]:  # rounds nobody is in any more
+            del self._round_start[done]
         return w.assigned
 
     def _division(self, eligible: list[int]) -> list[Group]:

@@ -250,6 +250,10 @@ def test_smart_does_not_expect_a_slow_worker_at_once_after_a_round_end():
     # Its own first request, when it is due, still finds a fast partner: it is not left out of the mixing.
     placements = board.request(3, board.assigned(3), 1.2)
     assert [g for _, _, g in placements if 3 in g][0] != (3,), placements
+    assert 1 in board._round_start
+    for worker in range(4):  # the next round: the estimate of the one everybody left is dropped
+        board.end_round(worker)
+    assert 1 not in board._round_start
 
 
 def test_smart_does_not_pick_a_worker_twice_before_it_is_ready():
