@@ -24,7 +24,9 @@ validation excluded) and its samples, so each round's loss is ``duration - sampl
 * ``after``: training time after the last averaging (the end of fit); slightly negative because the strategy's
   clock starts a few tens of milliseconds before the benchmark's.
 
-Medians over the repeats of every profile, in seconds and as shares of the wall time.
+Medians over the repeats of every profile, in seconds and as shares of the wall time; a second table gives the
+same losses per averaging (milliseconds per steady round and per cut round, and how many of each), the unit in
+which the strategy pays them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def breakdown(run: dict) -> dict[str, float]:
     rate = run["ideal_samples_per_s"]
     history = run["history"]
     lost = dict.fromkeys(KINDS, 0.0)
+    counts = {"steady rounds": 0, "cut rounds": 0}
     previous = 0.0
     for index, record in enumerate(history):
         duration = record["time"] - previous
@@ -59,7 +62,9 @@ def breakdown(run: dict) -> dict[str, float]:
             lost["warm-up"] += loss
         elif not full:
             lost["cut"] += loss
+            counts["cut rounds"] += 1
         else:
+            counts["steady rounds"] += 1
             allreduce = record["allreduce_time"]
             busiest = max(record["compute_times"])
             # the steps each rank took (a deadline round's differ from its plan's)
@@ -72,7 +77,19 @@ def breakdown(run: dict) -> dict[str, float]:
             lost["rounding"] += period - balanced
             lost["speed"] += balanced - samples / rate
     lost["after"] = run["train_wall_s"] - previous
-    return {"wall": run["train_wall_s"], "ideal": run["samples"] / rate, **lost}
+    return {"wall": run["train_wall_s"], "ideal": run["samples"] / rate, **lost, **counts}
+
+
+STEADY_PARTS = ("all-reduce", "fixed", "stragglers", "rounding", "speed")
+
+
+def per_round(parts: dict[str, float]) -> dict[str, float]:
+    """The losses of :func:`breakdown` per averaging: milliseconds per steady round for each steady part, and per
+    cut round (0 where there is no such round)."""
+    steady, cuts = parts["steady rounds"], parts["cut rounds"]
+    out = {k: 1e3 * parts[k] / steady if steady else 0.0 for k in STEADY_PARTS}
+    out["cut"] = 1e3 * parts["cut"] / cuts if cuts else 0.0
+    return out
 
 
 def main() -> None:
@@ -81,7 +98,7 @@ def main() -> None:
     p.add_argument("--config", default="oscars-exact-uniform")
     a = p.parse_args()
     data = json.loads(Path(a.results).read_text())
-    rows = []
+    rows, round_rows = [], []
     for profile, result in data["profiles"].items():
         runs = result["configs"].get(a.config, {}).get("runs") or []
         parts = [breakdown(r) for r in runs if r.get("history")]
@@ -97,9 +114,22 @@ def main() -> None:
                 *(f"{med[k]:.2f} ({med[k] / wall:.1%})" for k in KINDS),
             ]
         )
+        ms = {k: statistics.median(per_round(part)[k] for part in parts) for k in (*STEADY_PARTS, "cut")}
+        round_rows.append(
+            [
+                profile,
+                f"{med['steady rounds']:.0f}",
+                *(f"{ms[k]:.1f}" for k in STEADY_PARTS),
+                f"{med['cut rounds']:.0f}",
+                f"{ms['cut']:.1f}",
+            ]
+        )
     headers = ["profile", "wall s", "ideal s (of wall)", *(f"{k} s" for k in KINDS)]
     print(f"{a.config} in {a.results}: seconds lost against a perfectly balanced cluster (share of the wall time)\n")
     print("\n".join(markdown_table(headers, rows, "lrr" + "r" * len(KINDS))))
+    headers = ["profile", "steady rounds", *(f"{k} ms/round" for k in STEADY_PARTS), "cut rounds", "cut ms/round"]
+    print("\nThe same per averaging (medians over the runs)\n")
+    print("\n".join(markdown_table(headers, round_rows, "l" + "r" * (len(headers) - 1))))
 
 
 if __name__ == "__main__":

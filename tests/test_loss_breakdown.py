@@ -11,7 +11,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.loss_breakdown import KINDS, breakdown  # noqa: E402
+from benchmarks.loss_breakdown import KINDS, breakdown, per_round  # noqa: E402
 
 BATCH = 64
 T = (0.04, 0.12)  # a 1x and a 3x rank
@@ -66,3 +66,13 @@ def test_the_parts_add_up_to_the_gap_and_each_is_what_the_records_say():
     # slower medians than the ideal's: a positive speed loss in the last round only
     assert parts["speed"] == pytest.approx((balanced_1 - 9 * BATCH / RATE) + (balanced_2 - 10 * BATCH / RATE))
     assert parts["speed"] > 0.0
+
+
+def test_per_round_divides_each_loss_by_the_rounds_that_paid_it():
+    parts = breakdown(make_run())
+    assert (parts["steady rounds"], parts["cut rounds"]) == (2, 1)  # the warm-up round is neither
+    ms = per_round(parts)
+    assert ms["all-reduce"] == pytest.approx(1e3 * (0.005 + 0.006) / 2)
+    assert ms["rounding"] == pytest.approx(1e3 * parts["rounding"] / 2)
+    assert ms["cut"] == pytest.approx(1e3 * parts["cut"])
+    assert per_round({**parts, "steady rounds": 0, "cut rounds": 0})["cut"] == 0.0
