@@ -44,7 +44,7 @@ import atexit  # noqa: E402
 import inspect  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -90,6 +90,7 @@ class LightningAdapter:
         self._pending_accumulation = False  # a partial unit's gradients wait for the epoch's next no-op slot
         self._manual_steps_per_batch = 0
         self._validation_points: frozenset[int] | None = None  # where to validate after a mid-epoch re-size
+        self._epoch_sized = False  # Lightning knows the current epoch's length (size_epoch ran since it was planned)
 
     @property
     def installed(self) -> bool:
@@ -237,6 +238,7 @@ class LightningAdapter:
         due = self._validations_due(trainer, done) if mid_epoch else None
         loop.max_batches = int(_parse_num_batches(RunningStage.TRAINING, batches, trainer.limit_train_batches))
         self._validation_points = None
+        self._epoch_sized = True
         if isinstance(trainer.val_check_interval, float):
             trainer.val_check_batch = max(1, int(trainer.num_training_batches * trainer.val_check_interval))
             if due is not None and isinstance(trainer.num_training_batches, int):
@@ -257,6 +259,43 @@ class LightningAdapter:
         if trainer.check_val_every_n_epoch is None or not isinstance(batches, int) or not isinstance(check, int):
             return None
         return batches // check - done // check
+
+    def validation_slots(self, trainer: Trainer, batches_per_slot: int) -> Callable[[int], tuple[int, ...]] | None:
+        """Where Lightning validates in the current epoch, as a function of the epoch's slots: the slot counts after
+        which it does, the epoch's end left out (``(batch_idx + 1) % val_check_batch == 0``, or the points planned
+        after a mid-epoch re-size). The round plan ends rounds there (``EpochPlan.boundaries``). ``None`` when the
+        epoch does not validate by a count of its own batches (a time interval, a count over the whole fit,
+        ``limit_train_batches``, no validation this epoch)."""
+        every, interval = trainer.check_val_every_n_epoch, trainer.val_check_interval
+        if (
+            every is None
+            or (trainer.current_epoch + 1) % every != 0
+            or not trainer.enable_validation
+            or trainer.limit_train_batches != 1.0
+            or getattr(trainer, "_val_check_time_interval", None) is not None
+            or isinstance(interval, bool)
+            or not isinstance(interval, (int, float))
+        ):
+            return None
+
+        def slots_of(batches: Iterable[int], slots: int) -> tuple[int, ...]:
+            return tuple(sorted({-(-b // batches_per_slot) for b in batches} & set(range(1, slots))))
+
+        def points(slots: int) -> tuple[int, ...]:
+            batches = slots * batches_per_slot
+            if isinstance(interval, float) and self._epoch_sized and batches != trainer.num_training_batches:
+                # a re-plan re-sizes the running epoch: where size_epoch(mid_epoch=True) will have it validate
+                done = trainer.fit_loop.epoch_loop.batch_idx
+                due = self._validations_due(trainer, done)
+                if due is not None:
+                    return slots_of(validations_after_resize(done, batches, due), slots)
+            if self._validation_points is not None:
+                return slots_of(self._validation_points, slots)
+            check = max(1, int(batches * interval)) if isinstance(interval, float) else int(interval)
+            return slots_of(range(check, batches + 1, check), slots)
+
+        self._epoch_sized = False  # called as the epoch is planned, before Lightning is told its length
+        return points
 
     def pace_validation(self, trainer: Trainer, batch_idx: int) -> None:
         """At a batch's end, before Lightning's validation check: after a mid-epoch re-size, validate at exactly the

@@ -116,7 +116,8 @@ class RoundDriver:
             loader.set_batches_per_slot(accumulation)
             loader.max_slots = self.rounds.epoch_slot_bound(loader.total_units)
             self.rounds.forget_plan()
-        plan = self.rounds.plan_epoch(epoch, loader.total_units, loader.max_slots)
+        boundaries = self.adapter.validation_slots(trainer, loader.batches_per_slot)
+        plan = self.rounds.plan_epoch(epoch, loader.total_units, loader.max_slots, boundaries)
         order = None
         if loader.order.shared:
             # A custom sampler's draw depends on its random state, which differs between ranks: rank 0 draws the

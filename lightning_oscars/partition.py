@@ -22,6 +22,9 @@ trained back to the epoch: they are trained first in the following rounds, right
 units (already fetched), so every unit is still used exactly once per epoch. The plan keeps the epoch's order of
 units as a list of *positions*, which settling rewrites; rounds address positions.
 
+*Boundaries* (``EpochPlan.boundaries``) are the slots after which Lightning validates: plain rounds end there
+(:func:`segment_length`), so that the averaging before validation closes a round instead of cutting one.
+
 The *time-boxed warm-up* (``warmup.py``) lays out an epoch's first round the same way, with every rank reserving
 the same number of units (``warmup_reserve``); only the slots' decisions differ.
 """
@@ -31,7 +34,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +47,7 @@ __all__ = [
     "plan_rounds",
     "planned_slots",
     "round_quotas",
+    "segment_length",
     "split_proportionally",
     "validations_after_resize",
 ]
@@ -94,21 +98,29 @@ def split_proportionally(weights: Sequence[float], total: int, caps: Sequence[in
     return quotas
 
 
-def round_quotas(local_steps: Sequence[int], remaining_units: int, remaining_slots: int) -> list[int]:
+def round_quotas(
+    local_steps: Sequence[int], remaining_units: int, remaining_slots: int, length: int | None = None
+) -> list[int]:
     """Real steps of every rank in the next round.
 
     Normally ``local_steps`` itself. Near the end of the epoch the quotas shrink to the data that is left;
     if the remaining slots are too few to use up the remaining data at ``local_steps`` (speeds drifted after
     the epoch was sized), the quotas grow, up to the round length, so that no data is skipped.
-    Rank ``i`` gets at least one step while ``i < remaining_units``.
+    Rank ``i`` gets at least one step while ``i < remaining_units``. With ``length`` shorter than the local steps'
+    longest, the round lasts ``length`` slots and the local steps are scaled down to it in proportion (a round that
+    must end before a validation: every rank still does its share of the round's time).
     """
     n = len(local_steps)
     if remaining_units <= 0 or remaining_slots <= 0:
         return [0] * n
-    length = min(max(local_steps), remaining_slots)
+    longest = max(local_steps)
+    length = min(longest if length is None else max(1, min(length, longest)), remaining_slots)
     floors = [1 if i < remaining_units else 0 for i in range(n)]
     caps = [length] * n
     quotas = [max(f, min(t, length)) for t, f in zip(local_steps, floors)]
+    if length < longest and length < remaining_slots:  # a shortened round, not the epoch's tail: scale
+        share = round(sum(local_steps) * length / longest)
+        quotas = split_proportionally([float(t) for t in local_steps], share, caps, floors)
     rounds_left = -(-remaining_slots // length)
     # Spread the backlog over the rounds left, but take now whatever the later slots cannot hold (at most one
     # unit per rank and slot): the rounds left may be fewer or shorter than full ones at ``local_steps``.
@@ -182,6 +194,19 @@ def fitting_reservation(
     return None
 
 
+def segment_length(start_slot: int, longest: int, boundaries: Sequence[int], total_slots: int) -> int | None:
+    """The length of a plain round starting at ``start_slot`` that ends on the next of ``boundaries`` (slots where
+    the epoch averages anyway, before a validation) instead of running past it: the slots up to the boundary cut into
+    equal rounds no longer than ``longest``. ``None`` when no boundary lies within a round's reach, or past it only
+    the epoch's end."""
+    ahead = [b for b in boundaries if start_slot < b < total_slots]
+    if not ahead or min(ahead) - start_slot >= 2 * longest:
+        return None  # rounds of ``longest`` until the boundary is near: the last two share what is left
+    segment = min(ahead) - start_slot
+    rounds = -(-segment // longest)
+    return -(-segment // rounds)
+
+
 def plan_rounds(
     local_steps: Sequence[int],
     total_units: int,
@@ -190,12 +215,15 @@ def plan_rounds(
     first_unit: int = 0,
     reserve: Sequence[int] | None = None,
     warmup_reserve: Sequence[int] | None = None,
+    boundaries: Sequence[int] = (),
 ) -> list[Round]:
     """The rounds from ``start_slot`` to ``total_slots`` if every round follows ``local_steps``. With ``reserve``
     (per-rank reservations of deadline rounds), rounds are deadline rounds while :func:`deadline_round_fits`, laid
     out as if every reservation were trained (settling re-plans), and plain rounds after. With ``warmup_reserve``
     the first round is a time-boxed warm-up reserving that much, or as much as fits (:func:`fitting_reservation`;
-    a plain round if not even ``local_steps`` fits)."""
+    a plain round if not even ``local_steps`` fits). ``boundaries``: slots where the epoch averages whatever the
+    rounds (validation): plain rounds end there (:func:`segment_length`) rather than being cut short by them, so
+    that no rank waits at that averaging for another's share of a cut round."""
     steps = tuple(local_steps)
     rounds: list[Round] = []
     slot, unit = start_slot, first_unit
@@ -212,8 +240,11 @@ def plan_rounds(
             slot += max(reserve)
             unit += sum(reserve)
             continue
-        quotas = tuple(round_quotas(steps, total_units - unit, total_slots - slot))
+        short = segment_length(slot, max(steps), boundaries, total_slots)
+        quotas = tuple(round_quotas(steps, total_units - unit, total_slots - slot, short))
         length = max(quotas) if any(quotas) else total_slots - slot
+        if short is not None and any(quotas):
+            length = max(length, min(short, total_slots - slot))  # a short round ends on its boundary
         rounds.append(Round(slot, length, quotas, unit))
         slot += length
         unit += sum(quotas)
@@ -266,6 +297,7 @@ class EpochPlan:
         local_steps: Sequence[int],
         reserve: Sequence[int] | None = None,
         warmup_reserve: Sequence[int] | None = None,
+        boundaries: Callable[[int], Sequence[int]] | None = None,
     ) -> None:
         for name, given in (("local_steps", local_steps), ("reserve", reserve), ("warmup_reserve", warmup_reserve)):
             if given is not None and len(given) != world_size:
@@ -279,10 +311,21 @@ class EpochPlan:
         self.version = 0
         self.order: list[int] | None = None  # position -> unit once a deadline round handed units back
         self.progress: tuple[int, ...] = (0,) * world_size  # units trained in the current round at the last averaging
+        # epoch slots -> the slots where the epoch averages anyway (validation): plain rounds end there. A hint: a
+        # wrong one only makes those averagings cut a round, as without it.
+        self.boundaries = boundaries
         self._rounds = plan_rounds(
-            local_steps, total_units, total_slots, reserve=reserve, warmup_reserve=warmup_reserve
+            local_steps,
+            total_units,
+            total_slots,
+            reserve=reserve,
+            warmup_reserve=warmup_reserve,
+            boundaries=self._boundaries(),
         )
         self._starts = [r.start_slot for r in self._rounds]
+
+    def _boundaries(self) -> Sequence[int]:
+        return self.boundaries(self.total_slots) if self.boundaries is not None else ()
 
     def unit(self, position: int) -> int:
         """The unit at ``position`` of the epoch's order of units."""
@@ -347,10 +390,14 @@ class EpochPlan:
         elif shrink:
             needed = start_slot + planned_slots(local_steps, left)
             self.total_slots = max(start_slot, min(self.total_slots, needed))
-        rounds = plan_rounds(local_steps, self.total_units, self.total_slots, start_slot, first_unit, reserve)
+        rounds = plan_rounds(
+            local_steps, self.total_units, self.total_slots, start_slot, first_unit, reserve, None, self._boundaries()
+        )
         if reserve is not None and not any(r.deadline for r in rounds):  # the plain tail: its end is known
             self.total_slots = max(start_slot, min(self.total_slots, start_slot + planned_slots(local_steps, left)))
-            rounds = plan_rounds(local_steps, self.total_units, self.total_slots, start_slot, first_unit)
+            rounds = plan_rounds(
+                local_steps, self.total_units, self.total_slots, start_slot, first_unit, boundaries=self._boundaries()
+            )
         self._rounds[index:] = rounds
         self._starts = [r.start_slot for r in self._rounds]
         self.version += 1

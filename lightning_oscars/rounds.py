@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,9 +214,12 @@ class RoundController:
         known = self._deadline_slots(total_units) if not self.policy.resolve else None
         return known if known is not None else 3 * bound
 
-    def plan_epoch(self, epoch: int, total_units: int, bound: int) -> EpochPlan:
+    def plan_epoch(
+        self, epoch: int, total_units: int, bound: int, boundaries: Callable[[int], Sequence[int]] | None = None
+    ) -> EpochPlan:
         """The plan of ``epoch`` over ``total_units`` units in at most ``bound`` slots (the loader's length). A
-        plan restored from a checkpoint for this epoch is kept (resume mid-epoch)."""
+        plan restored from a checkpoint for this epoch is kept (resume mid-epoch). ``boundaries``: the epoch's
+        validation slots for an epoch of so many slots (:attr:`EpochPlan.boundaries`)."""
         plan = self.plan
         self._slot_bound = bound
         if plan is None or self.planned_epoch != epoch or plan.total_units != total_units:
@@ -230,10 +233,18 @@ class RoundController:
                 warmup = (self.policy.warmup_reservation(),) * self.world_size
                 self.warmup_gate.begin(self.policy.warmup)
             plan = self.plan = EpochPlan(
-                self.world_size, total_units, total_slots, self.local_steps, self.reserve, warmup_reserve=warmup
+                self.world_size,
+                total_units,
+                total_slots,
+                self.local_steps,
+                self.reserve,
+                warmup_reserve=warmup,
+                boundaries=boundaries,
             )
             self.planned_epoch = epoch
             self._round_units = 0
+        else:
+            plan.boundaries = boundaries  # restored: its later re-plans end rounds at validation too
         self._replan_pending = False
         self.clock.drain()
         self._reset_round()

@@ -110,6 +110,7 @@ class SeenPerEpoch(Callback):
     def __init__(self) -> None:
         self.per_epoch: list[int] = []
         self.validations: list[int] = []
+        self.validated_at: list[tuple[int, int]] = []  # (epoch, batches of the epoch done) at every validation
         self._before = self._validated = 0
 
     def on_train_epoch_start(self, trainer, pl_module):
@@ -117,6 +118,8 @@ class SeenPerEpoch(Callback):
 
     def on_validation_end(self, trainer, pl_module):
         self._validated += not trainer.sanity_checking
+        if not trainer.sanity_checking:
+            self.validated_at.append((trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready))
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.per_epoch.append(pl_module.seen - self._before)
@@ -661,10 +664,15 @@ def run_one(case: str, out: Path) -> None:
         if isinstance(cb, BatchProbe):
             result.update(probe=cb.seen, throughput_samples=cb.throughput_samples)
     if isinstance(s, OscarsStrategy):
+        plan = s.rounds.plan
         result.update(
             history=[r.as_dict() for r in s.history],
             num_averagings=s.num_averagings,
             schedule=list(s.schedule.local_steps) if s.schedule else None,
+            # the last epoch's plan: where its rounds ended, and where it expected Lightning to validate
+            round_ends=[r.end_slot for r in plan.rounds] if plan is not None else None,
+            plan_boundaries=list(plan.boundaries(plan.total_slots)) if plan and plan.boundaries else None,
+            validated_at=per_epoch.validated_at,
         )
     if isinstance(s, ParameterServerStrategy):
         result["ps"] = s.scheme.report  # type: ignore[attr-defined]

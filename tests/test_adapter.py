@@ -44,3 +44,48 @@ def test_a_resized_epoch_validates_as_often_as_planned(interval, length, resize,
     adapter = LightningAdapter(lambda: True, torch.device("cpu"))
     validated = _validated_batches(trainer, adapter, length, resize)
     assert validated == expected
+
+
+@pytest.mark.parametrize(
+    ("interval", "length", "resize"),
+    [(0.5, 100, {}), (0.25, 100, {}), (0.5, 100, {39: 61}), (0.5, 100, {19: 130, 59: 90}), (0.25, 100, {54: 200})],
+)
+def test_validation_slots_predict_where_lightning_validates(interval, length, resize, monkeypatch):
+    # What the round plan is told (EpochPlan.boundaries), against what Lightning's own check does: every validation
+    # before the epoch's end, also where a re-plan re-sizes the running epoch (asked before the adapter re-sizes it).
+    monkeypatch.setattr(pl.Trainer, "enable_validation", property(lambda self: True))
+    trainer = pl.Trainer(val_check_interval=interval, logger=False, enable_checkpointing=False, devices=1)
+    adapter = LightningAdapter(lambda: True, torch.device("cpu"))
+    points = adapter.validation_slots(trainer, batches_per_slot=1)
+    assert points is not None
+    predicted = list(points(length))
+    loop = trainer.fit_loop.epoch_loop
+    loop._should_check_val_epoch = lambda: True  # type: ignore[method-assign]
+    adapter.size_epoch(trainer, length)
+    validated, batch_idx = [], 0
+    while batch_idx < trainer.num_training_batches:
+        loop.batch_progress.current.ready = batch_idx + 1
+        loop.batch_progress.is_last_batch = batch_idx + 1 == trainer.num_training_batches
+        if batch_idx in resize:
+            ahead = [p for p in points(resize[batch_idx]) if p > batch_idx + 1]
+            predicted = [p for p in predicted if p <= batch_idx + 1] + ahead
+            adapter.size_epoch(trainer, resize[batch_idx], mid_epoch=True)
+        adapter.pace_validation(trainer, batch_idx)
+        if loop._should_check_val_fx(data_fetcher=None):  # type: ignore[arg-type]
+            validated.append(batch_idx + 1)
+        batch_idx += 1
+    assert predicted == [v for v in validated if v < trainer.num_training_batches]
+    assert predicted  # the cases all validate inside the epoch
+
+
+def test_validation_slots_are_none_when_the_epoch_does_not_validate_by_its_own_batches(monkeypatch):
+    monkeypatch.setattr(pl.Trainer, "enable_validation", property(lambda self: True))
+    adapter = LightningAdapter(lambda: True, torch.device("cpu"))
+    for options in ({"check_val_every_n_epoch": None, "val_check_interval": 10}, {"check_val_every_n_epoch": 2}):
+        trainer = pl.Trainer(logger=False, enable_checkpointing=False, devices=1, **options)  # epoch 0 of 2: none
+        assert adapter.validation_slots(trainer, 1) is None
+    trainer = pl.Trainer(val_check_interval=7, logger=False, enable_checkpointing=False, devices=1)
+    points = adapter.validation_slots(trainer, batches_per_slot=2)
+    assert points is not None and points(20) == (4, 7, 11, 14, 18)  # batches 7, 14, ...: the slots holding them
+    monkeypatch.setattr(pl.Trainer, "enable_validation", property(lambda self: False))
+    assert adapter.validation_slots(trainer, 1) is None

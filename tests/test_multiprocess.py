@@ -209,6 +209,12 @@ def test_max_time(tmp_path, tmp_path_factory):
 def test_val_check_interval_float(tmp_path, tmp_path_factory):
     fast, _ = finished("val_float", tmp_path, tmp_path_factory)
     assert "val_loss" in fast["metrics"]
+    # The last epoch's plan knew where Lightning would validate (mid-epoch), and its rounds end there: the averaging
+    # before validation closed a round rather than cutting one.
+    last = max(epoch for epoch, _ in fast["validated_at"])
+    inside = [done for epoch, done in fast["validated_at"] if epoch == last and done < fast["round_ends"][-1]]
+    assert inside and fast["plan_boundaries"] == inside
+    assert set(inside) <= set(fast["round_ends"])
 
 
 def test_val_check_interval_int(tmp_path, tmp_path_factory):

@@ -8,6 +8,7 @@ from lightning_oscars.partition import (
     plan_rounds,
     planned_slots,
     round_quotas,
+    segment_length,
     split_proportionally,
     validations_after_resize,
 )
@@ -164,3 +165,56 @@ def test_a_resized_epoch_keeps_its_number_of_validations():
                 assert len(points) == min(due, new - done)
                 assert all(done < a < b for a, b in zip(points, points[1:])) and all(done < p <= new for p in points)
                 assert not points or points[-1] == new
+
+
+def test_segment_length_tiles_the_slots_before_a_boundary_with_equal_rounds():
+    assert segment_length(0, 13, (), 100) is None
+    assert segment_length(0, 13, (40,), 100) is None  # far away: full rounds first
+    assert segment_length(22, 13, (40,), 100) == 9  # 18 slots left: 9 + 9, not 13 + 5
+    assert segment_length(31, 13, (40,), 100) == 9  # the last of them
+    assert segment_length(35, 13, (40,), 100) == 5  # less than a round: one round up to the boundary
+    assert segment_length(40, 13, (40, 80), 100) is None  # on a boundary: the next one is 40 slots away
+    assert segment_length(90, 13, (40, 80, 100), 100) is None  # only the epoch's end ahead: its own rules
+
+
+def test_rounds_end_on_the_boundaries_with_their_local_steps_scaled_down():
+    # A 1x/2x/2x/2x cluster's schedule, an epoch of 36 slots validated after 18: 13 + 5 before, 9 + 9 now.
+    steps, units = (13, 13, 13, 7), 128
+    slots = planned_slots(steps, units)
+    rounds = plan_rounds(steps, units, slots, boundaries=(18,))
+    ends = [r.end_slot for r in rounds]
+    assert 18 in ends
+    assert [r.length for r in rounds if r.end_slot <= 18] == [9, 9]
+    assert [r.quotas for r in rounds if r.end_slot <= 18] == [(9, 9, 9, 5), (9, 9, 9, 5)]
+    assert sorted(all_units(rounds, 4)) == list(range(units))
+    assert sum(r.length for r in rounds) == slots
+    without = plan_rounds(steps, units, slots)
+    assert 18 not in [r.end_slot for r in without]  # the validation cut a round before
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_boundaries_never_fall_inside_a_plain_round_and_every_unit_is_used_once(seed):
+    rng = random.Random(seed)
+    world = rng.randint(1, 6)
+    steps = [rng.randint(1, 16) for _ in range(world)]
+    total_units = rng.randint(world, 600)
+    slots = planned_slots(steps, total_units) + rng.choice([0, 0, rng.randint(0, 20)])
+    boundaries = sorted(rng.sample(range(1, slots), min(slots - 1, rng.randint(0, 4)))) if slots > 1 else []
+    plan = EpochPlan(world, total_units, slots, steps, boundaries=lambda _: boundaries)
+    rounds = plan.rounds
+    assert sorted(all_units(rounds, world)) == list(range(total_units))
+    assert sum(r.length for r in rounds) == slots
+    for rnd in rounds:
+        assert all(q <= rnd.length for q in rnd.quotas)
+        assert rnd.is_empty or rnd.length <= max(steps)
+        if not rnd.is_empty:
+            assert not any(rnd.start_slot < b < rnd.end_slot for b in boundaries), (rnd, boundaries)
+    # re-planned from a round start with other local steps: still every unit once, still aligned
+    start = rounds[len(rounds) // 2].start_slot
+    if start < slots:
+        new_steps = [rng.randint(1, 16) for _ in range(world)]
+        plan.replan(start, new_steps)
+        assert sorted(all_units(plan.rounds, world)) == list(range(total_units))
+        for rnd in plan.rounds:
+            if rnd.start_slot >= start and not rnd.is_empty and rnd.end_slot < plan.total_slots:
+                assert not any(rnd.start_slot < b < rnd.end_slot for b in boundaries), (rnd, boundaries)

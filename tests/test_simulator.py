@@ -163,14 +163,16 @@ def test_first_epoch_is_cut_once_the_first_schedule_is_solved():
     assert lengths[0] < 1.2 * lengths[1:].mean()  # no tail of no-op slots
 
 
-def test_validation_forces_an_averaging_inside_a_round():
-    # 2 ranks x 12 local steps, 256 units per epoch: rounds of 12 slots, 128 slots (the last round [8, 8]).
-    # Validation every 32 slots: at 32 and 64 inside a round (2 extra averagings), at 96 and 128 at a round's end.
+def test_rounds_end_at_validations_instead_of_being_cut_by_them():
+    # 2 ranks x 12 local steps, 256 units per epoch: 128 slots, validation every 32 slots. Rounds of 12 slots from
+    # the epoch's start would put validations at 32 and 64 inside a round (an extra averaging each: 11 + 2 per
+    # epoch); the plan ends rounds on them instead (12 + 10 + 10 before each): 12 averagings per epoch, all at ends.
     res = simulate(
         Cluster((0.01, 0.01)), FixedPolicy(12), 2 * 256, allreduce_s=0.001, units_per_epoch=256, val_check_interval=0.25
     )
-    assert res.rounds == 2 * (11 + 2)
+    assert res.rounds == 2 * 12
     assert len(res.validation_s) == 8
+    assert res.validation_s == pytest.approx([res.wall_s * k / 8 for k in range(1, 9)])  # every quarter: no cut
     aligned = simulate(
         Cluster((0.01, 0.01)), FixedPolicy(16), 2 * 256, allreduce_s=0.001, units_per_epoch=256, val_check_interval=0.25
     )

@@ -328,12 +328,19 @@ def _planned_epoch(engine: _Engine, units: int, val_check_interval: float | None
     warmup = None
     if isinstance(policy, OscarsPolicy) and policy.timed_warmup and not policy.solved and engine.slots == 0:
         warmup = (policy.warmup_reservation(),) * n
-    plan = EpochPlan(n, units, total_slots, policy.local_steps, warmup_reserve=warmup)
-    check = _val_check_batch(plan.total_slots, val_check_interval)
+    check = _val_check_batch(total_slots, val_check_interval)
     points: frozenset[int] | None = None  # after a mid-epoch re-size: the slots that validate (as the adapter does)
 
     def validates(count: int) -> bool:
         return count in points if points is not None else bool(check) and count % check == 0
+
+    def boundaries(slots: int) -> tuple[int, ...]:  # the adapter's validation_slots: rounds end there
+        if points is not None:
+            return tuple(sorted(p for p in points if 0 < p < slots))
+        every = _val_check_batch(slots, val_check_interval)
+        return tuple(range(every, slots, every)) if every else ()
+
+    plan = EpochPlan(n, units, total_slots, policy.local_steps, warmup_reserve=warmup, boundaries=boundaries)
 
     slot, pending = 0, False
     while slot < plan.total_slots:
