@@ -22,12 +22,17 @@ def all_units(plan_rounds_list, world_size):
     return units
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_every_unit_used_once_per_epoch(seed):
+def random_epoch(seed: int, most_steps: int, most_units: int) -> tuple[random.Random, int, list[int], int]:
+    """A seeded random cluster of 1-6 ranks, their local steps and the epoch's units (and the generator, to go on)."""
     rng = random.Random(seed)
     world = rng.randint(1, 6)
-    steps = [rng.randint(1, 9) for _ in range(world)]
-    total_units = rng.randint(world, 400)
+    steps = [rng.randint(1, most_steps) for _ in range(world)]
+    return rng, world, steps, rng.randint(world, most_units)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_every_unit_used_once_per_epoch(seed):
+    _, world, steps, total_units = random_epoch(seed, 9, 400)
     slots = planned_slots(steps, total_units)
     rounds = plan_rounds(steps, total_units, slots)
     units = all_units(rounds, world)
@@ -194,10 +199,7 @@ def test_rounds_end_on_the_boundaries_with_their_local_steps_scaled_down():
 
 @pytest.mark.parametrize("seed", range(40))
 def test_boundaries_never_fall_inside_a_plain_round_and_every_unit_is_used_once(seed):
-    rng = random.Random(seed)
-    world = rng.randint(1, 6)
-    steps = [rng.randint(1, 16) for _ in range(world)]
-    total_units = rng.randint(world, 600)
+    rng, world, steps, total_units = random_epoch(seed, 16, 600)
     slots = planned_slots(steps, total_units) + rng.choice([0, 0, rng.randint(0, 20)])
     boundaries = sorted(rng.sample(range(1, slots), min(slots - 1, rng.randint(0, 4)))) if slots > 1 else []
     plan = EpochPlan(world, total_units, slots, steps, boundaries=lambda _: boundaries)
