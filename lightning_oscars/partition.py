@@ -22,8 +22,10 @@ trained back to the epoch: they are trained first in the following rounds, right
 units (already fetched), so every unit is still used exactly once per epoch. The plan keeps the epoch's order of
 units as a list of *positions*, which settling rewrites; rounds address positions.
 
-*Boundaries* (``EpochPlan.boundaries``) are the slots after which Lightning validates: plain rounds end there
-(:func:`segment_length`), so that the averaging before validation closes a round instead of cutting one.
+*Boundaries* (``EpochPlan.boundaries``) are the slots after which Lightning validates: rounds end there
+(:func:`segment_length`), so that the averaging before validation closes a round instead of cutting one. A deadline
+round shortened to end there reserves less (:func:`held_reservation`) and its deadline shrinks alike
+(:func:`reservation_scale`).
 
 The *time-boxed warm-up* (``warmup.py``) lays out an epoch's first round the same way, with every rank reserving
 the same number of units (``warmup_reserve``); only the slots' decisions differ.
@@ -42,10 +44,12 @@ __all__ = [
     "EpochPlan",
     "deadline_epoch_slots",
     "deadline_round_fits",
+    "held_reservation",
     "Round",
     "max_epoch_slots",
     "plan_rounds",
     "planned_slots",
+    "reservation_scale",
     "round_quotas",
     "segment_length",
     "split_proportionally",
@@ -207,6 +211,36 @@ def segment_length(start_slot: int, longest: int, boundaries: Sequence[int], tot
     return -(-segment // rounds)
 
 
+def reservation_scale(longest: int, length: int) -> float:
+    """How much of a deadline round reserving up to ``longest`` units is left when it is cut to ``length`` slots:
+    the share of each reservation beyond its first unit (and of the deadline in seconds) that is kept. A reservation
+    is the steps that fit the deadline plus one spare, so scaling the part beyond one keeps a unit for every step
+    that still fits the scaled deadline."""
+    if length >= longest or longest <= 1:
+        return 1.0
+    return max(0, length - 1) / (longest - 1)
+
+
+def held_reservation(reserve: Sequence[int], length: int) -> tuple[int, ...]:
+    """``reserve`` for a deadline round of ``length`` slots (one that ends on a validation boundary): every
+    reservation beyond its first unit scaled by :func:`reservation_scale`, rounded up; the largest is ``length``."""
+    longest = max(reserve)
+    if length >= longest:
+        return tuple(reserve)
+    length = max(1, length)
+    # integer arithmetic: every rank computes the same reservations
+    return tuple(min(length, 1 + -(-(r - 1) * (length - 1) // (longest - 1))) for r in reserve)
+
+
+def deadline_reservation(
+    start_slot: int, reserve: Sequence[int], boundaries: Sequence[int], total_slots: int
+) -> tuple[int, ...]:
+    """What a deadline round starting at ``start_slot`` reserves: ``reserve``, or less when a boundary is near
+    (:func:`segment_length`) so that the round ends on it."""
+    short = segment_length(start_slot, max(reserve), boundaries, total_slots)
+    return tuple(reserve) if short is None else held_reservation(reserve, short)
+
+
 def plan_rounds(
     local_steps: Sequence[int],
     total_units: int,
@@ -222,8 +256,8 @@ def plan_rounds(
     out as if every reservation were trained (settling re-plans), and plain rounds after. With ``warmup_reserve``
     the first round is a time-boxed warm-up reserving that much, or as much as fits (:func:`fitting_reservation`;
     a plain round if not even ``local_steps`` fits). ``boundaries``: slots where the epoch averages whatever the
-    rounds (validation): plain rounds end there (:func:`segment_length`) rather than being cut short by them, so
-    that no rank waits at that averaging for another's share of a cut round."""
+    rounds (validation): rounds end there (:func:`segment_length`, :func:`deadline_reservation`) rather than being
+    cut short by them, so that no rank waits at that averaging for another's share of a cut round."""
     steps = tuple(local_steps)
     rounds: list[Round] = []
     slot, unit = start_slot, first_unit
@@ -236,9 +270,10 @@ def plan_rounds(
         unit += sum(warmup)
     while slot < total_slots:
         if reserve is not None and deadline_round_fits(reserve, total_units - unit, total_slots - slot):
-            rounds.append(Round(slot, max(reserve), tuple(reserve), unit, deadline=True))
-            slot += max(reserve)
-            unit += sum(reserve)
+            held = deadline_reservation(slot, reserve, boundaries, total_slots)  # fits too: it is no larger
+            rounds.append(Round(slot, max(held), held, unit, deadline=True))
+            slot += max(held)
+            unit += sum(held)
             continue
         short = segment_length(slot, max(steps), boundaries, total_slots)
         quotas = tuple(round_quotas(steps, total_units - unit, total_slots - slot, short))
@@ -320,11 +355,12 @@ class EpochPlan:
             total_slots,
             reserve=reserve,
             warmup_reserve=warmup_reserve,
-            boundaries=self._boundaries(),
+            boundaries=self.boundary_slots(),
         )
         self._starts = [r.start_slot for r in self._rounds]
 
-    def _boundaries(self) -> Sequence[int]:
+    def boundary_slots(self) -> Sequence[int]:
+        """The slots after which this epoch averages anyway (validation), as the plan expects them."""
         return self.boundaries(self.total_slots) if self.boundaries is not None else ()
 
     def unit(self, position: int) -> int:
@@ -391,12 +427,24 @@ class EpochPlan:
             needed = start_slot + planned_slots(local_steps, left)
             self.total_slots = max(start_slot, min(self.total_slots, needed))
         rounds = plan_rounds(
-            local_steps, self.total_units, self.total_slots, start_slot, first_unit, reserve, None, self._boundaries()
+            local_steps,
+            self.total_units,
+            self.total_slots,
+            start_slot,
+            first_unit,
+            reserve,
+            None,
+            self.boundary_slots(),
         )
         if reserve is not None and not any(r.deadline for r in rounds):  # the plain tail: its end is known
             self.total_slots = max(start_slot, min(self.total_slots, start_slot + planned_slots(local_steps, left)))
             rounds = plan_rounds(
-                local_steps, self.total_units, self.total_slots, start_slot, first_unit, boundaries=self._boundaries()
+                local_steps,
+                self.total_units,
+                self.total_slots,
+                start_slot,
+                first_unit,
+                boundaries=self.boundary_slots(),
             )
         self._rounds[index:] = rounds
         self._starts = [r.start_slot for r in self._rounds]

@@ -25,7 +25,14 @@ from typing import Any
 from lightning_oscars.control import Contribution, ControlData, RankReport, RoundRecord
 from lightning_oscars.deadline import DeadlinePacer, DeadlineRound, plan_deadline, quantile_step
 from lightning_oscars.loader import SlotInfo
-from lightning_oscars.partition import EpochPlan, Round, deadline_epoch_slots, deadline_round_fits
+from lightning_oscars.partition import (
+    EpochPlan,
+    Round,
+    deadline_epoch_slots,
+    deadline_reservation,
+    deadline_round_fits,
+    reservation_scale,
+)
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.timing import LapClock, StepTimeEstimator, WallClock
 from lightning_oscars.warmup import WarmupGate
@@ -51,9 +58,10 @@ def step_jitter(seconds: list[float], reference: float) -> float:
 
 def _needs_other_deadline(plan: EpochPlan, rnd: Round, reserve: tuple[int, ...]) -> bool:
     """Whether the upcoming round ``rnd`` differs from the deadline round ``reserve`` asks for (a plain round where
-    one would fit: planned before the first deadline was known)."""
+    one would fit: planned before the first deadline was known). A round shortened to end on a validation boundary
+    holds a scaled reservation, and is what ``reserve`` asks for there."""
     if rnd.deadline:
-        return rnd.quotas != reserve
+        return rnd.quotas != deadline_reservation(rnd.start_slot, reserve, plan.boundary_slots(), plan.total_slots)
     return deadline_round_fits(reserve, plan.total_units - rnd.first_unit, plan.total_slots - rnd.start_slot)
 
 
@@ -243,6 +251,9 @@ class RoundController:
             )
             self.planned_epoch = epoch
             self._round_units = 0
+            deadline = self.deadline_round
+            if self.pacer is not None and deadline is not None:  # started at the last epoch's end, for a full round
+                self.pacer.deadline_s = deadline.deadline_s * self._deadline_scale(0, deadline)
         else:
             plan.boundaries = boundaries  # restored: its later re-plans end rounds at validation too
         self._replan_pending = False
@@ -389,12 +400,24 @@ class RoundController:
             deadline = self.deadline_round if self.pacer is not None else None
             if self.pacer is not None and deadline is not None:
                 step = self.policy.estimate[self.rank]
-                self.pacer.start_round(deadline.deadline_s, step, quantile_step(step, self.jitter[self.rank]))
+                seconds = deadline.deadline_s * self._deadline_scale(next_round, deadline)
+                self.pacer.start_round(seconds, step, quantile_step(step, self.jitter[self.rank]))
         self._stop = False
         if summed.requeue:
             self._requeue = False
         self._reset_round()
         return RoundOutcome(record, summed.stop, summed.sigterm, summed.requeue, rebalanced, resized)
+
+    def _deadline_scale(self, slot: int, deadline: DeadlineRound) -> float:
+        """The share of the deadline the round starting at ``slot`` gets: less than all of it when the round was
+        shortened to end on a validation boundary (its reservations scaled alike)."""
+        plan = self.plan
+        if plan is None or not 0 <= slot < plan.total_slots:
+            return 1.0
+        rnd = plan.round_at(slot)
+        if not rnd.deadline or rnd.warmup or rnd.start_slot != slot:
+            return 1.0
+        return reservation_scale(max(deadline.reserve), rnd.length)
 
     def _replan(self, rebalanced: bool, next_round: int | None, trained: tuple[int, ...]) -> bool:
         """Follow a new schedule from the next round boundary; return whether the epoch's length changed. A schedule

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_oscars import RoundController, SchedulePolicy
 from lightning_oscars.control import ControlData
 from lightning_oscars.deadline import DeadlinePacer, plan_deadline, quantile_step, reservations
-from lightning_oscars.partition import EpochPlan, deadline_epoch_slots
+from lightning_oscars.partition import EpochPlan, deadline_epoch_slots, held_reservation, reservation_scale
 
 
 def test_reservations_last_until_the_deadline_with_fast_steps():
@@ -68,13 +68,31 @@ def test_pacer_counts_the_fetched_step_and_moves_its_deadline_past_validation():
         pacer.start_round(-1.0, 0.1)
 
 
-def test_settling_hands_back_what_was_not_reached_and_keeps_every_unit_once():
+def test_a_round_cut_to_a_boundary_reserves_enough_for_its_scaled_deadline():
+    assert reservation_scale(14, 8) == pytest.approx(7 / 13) and reservation_scale(14, 14) == 1.0
+    assert held_reservation((14, 6, 3), 8) == (8, 4, 3)
+    assert held_reservation((14, 6, 3), 14) == (14, 6, 3) and held_reservation((14, 6, 3), 1) == (1, 1, 1)
+    rng = random.Random(0)
+    for _ in range(500):
+        times = [rng.uniform(0.01, 0.5) for _ in range(rng.randint(1, 6))]
+        deadline = rng.uniform(0.05, 3.0)
+        reserve = reservations(deadline, times, [max(1, int(deadline / t)) for t in times])
+        length = rng.randint(1, max(reserve))
+        held, scale = held_reservation(reserve, length), reservation_scale(max(reserve), length)
+        assert max(held) == length and all(1 <= h <= r for h, r in zip(held, reserve))
+        # every step that fits the scaled deadline (10% faster than typical) still has a unit, as in a full round
+        assert all(h >= 1 + math.ceil(1.1 * scale * deadline / t - 1e-9) for h, t in zip(held, times)), (held, times)
+
+
+@pytest.mark.parametrize("boundaries", [(), (12, 40, 41)], ids=["no-validation", "validations"])
+def test_settling_hands_back_what_was_not_reached_and_keeps_every_unit_once(boundaries):
     rng = random.Random(0)
     steps, world = (6, 2), 2
     reserve = reservations(0.6, (0.1, 0.3), steps)
     total = 200
-    plan = EpochPlan(world, total, deadline_epoch_slots(sum(steps), max(reserve), total), steps, reserve)
-    assert plan.rounds[0].deadline and plan.rounds[0].length == max(reserve)
+    slots = deadline_epoch_slots(sum(steps), max(reserve), total)
+    plan = EpochPlan(world, total, slots, steps, reserve, boundaries=lambda _: boundaries)
+    assert plan.rounds[0].deadline and plan.rounds[0].length == (max(reserve) if not boundaries else 6)
     trained: list[int] = []
     slot = 0
     while slot < plan.total_slots:
@@ -84,6 +102,8 @@ def test_settling_hands_back_what_was_not_reached_and_keeps_every_unit_once():
         nxt = plan.round_at(rnd.end_slot) if rnd.end_slot < plan.total_slots else None
         firsts = [plan.reserved_units(r, nxt)[0] for r in range(world)] if nxt and not nxt.is_empty else None
         if rnd.deadline:
+            assert not any(rnd.start_slot < b < rnd.end_slot for b in boundaries), "a round ends on a validation"
+            assert rnd.quotas == held_reservation(reserve, rnd.length)
             counts = [rng.randint(1, q) for q in rnd.quotas]
             units = [plan.reserved_units(r, rnd)[:c] for r, c in enumerate(counts)]
             handed_back = plan.settle(rnd.start_slot, counts)
@@ -117,12 +137,20 @@ def test_settle_rejects_counts_beyond_the_reservation():
 # real noise to each round's first step, enough to steer the schedule differently from run to run.
 @mock.patch("lightning_oscars.loader.time.perf_counter", new=lambda: 0.0)
 def simulate(
-    deadline: bool, epochs: int = 3, sigma: float = 0.3, seed: int = 0, accumulate: int = 1, **loader_kwargs
+    deadline: bool,
+    epochs: int = 3,
+    sigma: float = 0.3,
+    seed: int = 0,
+    accumulate: int = 1,
+    validate_after: int | None = None,
+    starts: list | None = None,
+    **loader_kwargs,
 ) -> tuple[list[list[int]], float, list]:
     """Two ranks (0.01 s and 0.03 s per step, lognormal jitter ``sigma``) train ``epochs`` epochs of 480 samples:
     Lightning's loop reduced to its order of calls (fetch one batch ahead, take the slot, step, end the slot, average
     at round ends), ``accumulate`` batches per optimizer step. Returns the samples trained per epoch (both ranks),
-    the simulated seconds and the history."""
+    the simulated seconds and the history. ``validate_after``: the plans expect a validation after this slot of
+    every epoch. ``starts`` collects, at every round start, rank 0's round and the pacer's deadline for it."""
     rng = random.Random(seed)
     data = DataLoader(TensorDataset(torch.arange(480)), batch_size=4, shuffle=True, **loader_kwargs)
     times = [Time(), Time()]
@@ -136,7 +164,8 @@ def simulate(
     for epoch in range(epochs):
         iterators, pending, batch = [], [], 0
         for controller, loader in ranks:
-            plan = controller.plan_epoch(epoch, loader.total_units, loader.max_slots)
+            boundaries = None if validate_after is None else lambda _: (validate_after,)
+            plan = controller.plan_epoch(epoch, loader.total_units, loader.max_slots, boundaries)
             loader.start_epoch(plan, epoch, None)
             iterators.append(iter(loader))
             pending.append([next(iterators[-1])])  # Lightning fetches one batch ahead
@@ -173,6 +202,9 @@ def simulate(
             outcomes = [c.absorb(summed, allreduce_s=0.002, epoch=epoch, global_step=0, next_round=ends[0][0])
                         for c, _ in ranks]  # fmt: skip
             assert outcomes[0] == outcomes[1]
+            first, plan = ranks[0][0], ranks[0][0].plan
+            if starts is not None and first.deadline_round is not None and ends[0][0] < plan.total_slots:
+                starts.append((plan.round_at(ends[0][0]), first.pacer.deadline_s, first.deadline_round))
     return seen, times[0].now, ranks[0][0].history
 
 
@@ -202,6 +234,23 @@ def test_two_ranks_train_every_sample_once_with_deadline_and_with_plain_rounds()
         fixed_seen, _, fixed_history = simulate(False, epochs=2, sigma=0.5, seed=seed)
         assert all(sorted(epoch) == list(range(480)) for epoch in fixed_seen)
         assert sum(r.rebalanced for r in fixed_history) >= 2
+
+
+def test_deadline_rounds_end_on_a_validation_with_their_deadline_scaled_alike():
+    starts: list = []
+    seen, _, _ = simulate(deadline=True, epochs=2, validate_after=30, starts=starts)
+    assert all(sorted(epoch) == list(range(480)) for epoch in seen), "every sample exactly once per epoch"
+    rounds = [rnd for rnd, _, _ in starts if rnd.deadline]
+    assert not any(rnd.start_slot < 30 < rnd.end_slot for rnd in rounds), "no deadline round straddles it"
+    assert any(rnd.end_slot == 30 for rnd in rounds)
+    shortened = [
+        (rnd, seconds, full) for rnd, seconds, full in starts if rnd.deadline and rnd.length < max(full.reserve)
+    ]
+    assert shortened, "the rounds before the validation were cut to end on it"
+    for rnd, seconds, full in shortened:  # the pacer's deadline shrinks with the reservations
+        assert rnd.quotas == held_reservation(full.reserve, rnd.length)
+        assert seconds == pytest.approx(full.deadline_s * reservation_scale(max(full.reserve), rnd.length))
+    assert all(seconds == full.deadline_s for rnd, seconds, full in starts if rnd.length == max(full.reserve))
 
 
 def test_the_deadline_is_the_period_without_jitter_and_longer_with_it():

@@ -209,12 +209,16 @@ def test_max_time(tmp_path, tmp_path_factory):
 def test_val_check_interval_float(tmp_path, tmp_path_factory):
     fast, _ = finished("val_float", tmp_path, tmp_path_factory)
     assert "val_loss" in fast["metrics"]
-    # The last epoch's plan knew where Lightning would validate (mid-epoch), and its rounds end there: the averaging
-    # before validation closed a round rather than cutting one.
-    last = max(epoch for epoch, _ in fast["validated_at"])
-    inside = [done for epoch, done in fast["validated_at"] if epoch == last and done < fast["round_ends"][-1]]
-    assert inside and fast["plan_boundaries"] == inside
-    assert set(inside) <= set(fast["round_ends"])
+    _rounds_end_at_validations(fast)
+
+
+def _rounds_end_at_validations(result: dict) -> None:
+    """The last epoch's plan knew where Lightning would validate (mid-epoch), and its rounds end there: the averaging
+    before validation closed a round rather than cutting one."""
+    last = max(epoch for epoch, _ in result["validated_at"])
+    inside = [done for epoch, done in result["validated_at"] if epoch == last and done < result["round_ends"][-1]]
+    assert inside and result["plan_boundaries"] == inside
+    assert set(inside) <= set(result["round_ends"]), (inside, result["round_ends"])
 
 
 def test_val_check_interval_int(tmp_path, tmp_path_factory):
@@ -526,6 +530,7 @@ def test_deadline_rounds_follow_the_clock_and_train_every_sample_once(tmp_path, 
     # Under jitter the steps a rank takes follow the deadline: they differ from the schedule's in some rounds.
     assert any(t != tuple(h["local_steps"]) for t, h in zip(trained, solved)), trained
     assert sum(len(a) for a in fast["trained"]) > 2 * sum(len(b) for b in slow["trained"])
+    _rounds_end_at_validations(fast)  # deadline rounds too: shortened, their reservations and deadline scaled
 
 
 def test_timed_warmup_keeps_the_fast_rank_training_while_the_slow_one_warms_up(tmp_path, tmp_path_factory):
@@ -584,6 +589,7 @@ def test_ripples_groups_keep_lightning_semantics_and_smart_groups_spare_the_fast
     fast, slow = finished(f"ripples_{generator}", tmp_path, tmp_path_factory)  # equal weights and global steps, no hang
     _epochs_complete(fast, slow, 480)
     assert "val_loss" in fast["metrics"]
+    _rounds_end_at_validations(fast)
     fast_report, slow_report = fast["ripples"], slow["ripples"]
     assert fast_report["groups"] > 0 and slow_report["groups"] > 0, "one group per real step"
     for report in (fast_report, slow_report):  # overlap: exchanges applied after the next step, not at once
