@@ -294,7 +294,10 @@ class LightningAdapter:
             check = max(1, int(batches * interval)) if isinstance(interval, float) else int(interval)
             return slots_of(range(check, batches + 1, check), slots)
 
-        self._epoch_sized = False  # called as the epoch is planned, before Lightning is told its length
+        # Called as the epoch is planned, before Lightning is told its length: the points the last epoch was re-sized
+        # to are not this epoch's (size_epoch clears them too, but only after the plan has asked).
+        self._epoch_sized = False
+        self._validation_points = None
         return points
 
     def pace_validation(self, trainer: Trainer, batch_idx: int) -> None:

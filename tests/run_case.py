@@ -111,6 +111,7 @@ class SeenPerEpoch(Callback):
         self.per_epoch: list[int] = []
         self.validations: list[int] = []
         self.validated_at: list[tuple[int, int]] = []  # (epoch, batches of the epoch done) at every validation
+        self.round_ends: list[list[int]] = []  # oscars: the slots where each epoch's planned rounds ended
         self._before = self._validated = 0
 
     def on_train_epoch_start(self, trainer, pl_module):
@@ -124,6 +125,9 @@ class SeenPerEpoch(Callback):
     def on_train_epoch_end(self, trainer, pl_module):
         self.per_epoch.append(pl_module.seen - self._before)
         self.validations.append(self._validated)
+        plan = getattr(getattr(trainer.strategy, "rounds", None), "plan", None)
+        if plan is not None:
+            self.round_ends.append([r.end_slot for r in plan.rounds])
 
 
 class FaultyModule(ToyModule):
@@ -669,10 +673,10 @@ def run_one(case: str, out: Path) -> None:
             history=[r.as_dict() for r in s.history],
             num_averagings=s.num_averagings,
             schedule=list(s.schedule.local_steps) if s.schedule else None,
-            # the last epoch's plan: where its rounds ended, and where it expected Lightning to validate
+            # the last epoch's plan: where its rounds ended
             round_ends=[r.end_slot for r in plan.rounds] if plan is not None else None,
-            plan_boundaries=list(plan.boundaries(plan.total_slots)) if plan and plan.boundaries else None,
             validated_at=per_epoch.validated_at,
+            round_ends_per_epoch=per_epoch.round_ends,
         )
     if isinstance(s, ParameterServerStrategy):
         result["ps"] = s.scheme.report  # type: ignore[attr-defined]

@@ -52,10 +52,23 @@ def test_a_resized_epoch_validates_as_often_as_planned(interval, length, resize,
 )
 def test_validation_slots_predict_where_lightning_validates(interval, length, resize, monkeypatch):
     # What the round plan is told (EpochPlan.boundaries), against what Lightning's own check does: every validation
-    # before the epoch's end, also where a re-plan re-sizes the running epoch (asked before the adapter re-sizes it).
+    # before the epoch's end, also where a re-plan re-sizes the running epoch (asked before the adapter re-sizes it),
+    # and in the next epoch, whose plan is made before Lightning is told its length (the last epoch's re-sized
+    # points must not leak into it).
     monkeypatch.setattr(pl.Trainer, "enable_validation", property(lambda self: True))
     trainer = pl.Trainer(val_check_interval=interval, logger=False, enable_checkpointing=False, devices=1)
     adapter = LightningAdapter(lambda: True, torch.device("cpu"))
+    for epoch_length, epoch_resize in ((length, resize), (length - 7, {})):
+        predicted, validated = _predicted_and_validated(trainer, adapter, epoch_length, epoch_resize)
+        assert predicted == [v for v in validated if v < trainer.num_training_batches]
+        assert predicted  # the cases all validate inside the epoch
+
+
+def _predicted_and_validated(
+    trainer: pl.Trainer, adapter: LightningAdapter, length: int, resize: dict[int, int]
+) -> tuple[list[int], list[int]]:
+    """One epoch planned and walked as the strategy does: the slots the plan is told at the epoch's start (updated
+    where ``resize`` re-sizes the epoch), and the 1-based batches Lightning's own check validates."""
     points = adapter.validation_slots(trainer, batches_per_slot=1)
     assert points is not None
     predicted = list(points(length))
@@ -74,8 +87,7 @@ def test_validation_slots_predict_where_lightning_validates(interval, length, re
         if loop._should_check_val_fx(data_fetcher=None):  # type: ignore[arg-type]
             validated.append(batch_idx + 1)
         batch_idx += 1
-    assert predicted == [v for v in validated if v < trainer.num_training_batches]
-    assert predicted  # the cases all validate inside the epoch
+    return predicted, validated
 
 
 def test_validation_slots_are_none_when_the_epoch_does_not_validate_by_its_own_batches(monkeypatch):

@@ -213,12 +213,14 @@ def test_val_check_interval_float(tmp_path, tmp_path_factory):
 
 
 def _rounds_end_at_validations(result: dict) -> None:
-    """The last epoch's plan knew where Lightning would validate (mid-epoch), and its rounds end there: the averaging
-    before validation closed a round rather than cutting one."""
+    """Every epoch's plan knew where Lightning would validate (mid-epoch), and its rounds end there: the averaging
+    before validation closed a round rather than cutting one. Also in the epochs after one re-sized mid-epoch."""
     last = max(epoch for epoch, _ in result["validated_at"])
-    inside = [done for epoch, done in result["validated_at"] if epoch == last and done < result["round_ends"][-1]]
-    assert inside and result["plan_boundaries"] == inside
-    assert set(inside) <= set(result["round_ends"]), (inside, result["round_ends"])
+    per_epoch = result["round_ends_per_epoch"]
+    assert len(per_epoch) == last + 1
+    for epoch, ends in enumerate(per_epoch):
+        inside = [done for e, done in result["validated_at"] if e == epoch and done < ends[-1]]
+        assert inside and set(inside) <= set(ends), (epoch, inside, ends)
 
 
 def test_val_check_interval_int(tmp_path, tmp_path_factory):
