@@ -171,7 +171,8 @@ class RoundController:
         self._warmup_planned = False
 
     def exclude_time(self, seconds: float) -> None:
-        """``seconds`` just spent outside training (validation): the records' ``time`` leaves them out."""
+        """``seconds`` just spent outside training (validation, a checkpoint write): the records' ``time`` leaves them
+        out, and neither a step nor the round's fixed cost includes them."""
         self._excluded += max(0.0, seconds)
         self._chained = False
         if self.pacer is not None:

@@ -10,6 +10,7 @@ Lightning access), ``hooks`` and ``loader``; see ``docs/architecture.md``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -44,6 +45,8 @@ __all__ = ["DEFAULT_TIMEOUT", "OscarsStrategy", "RoundRecord"]
 Averaging = Literal["uniform", "samples"]
 # Collective timeout: well under NCCL's 30 minutes, yet long enough for a large checkpoint write.
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+# The barrier Lightning's Trainer.save_checkpoint holds after every write: the other ranks wait there for the writer.
+CHECKPOINT_BARRIER = "Trainer.save_checkpoint"
 
 
 class OscarsStrategy(OscarsOptions, DDPStrategy):
@@ -161,6 +164,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         self._noop_batch: Any = None
         self._in_local_step = False
         self._restored: dict[str, Any] | None = None
+        self._checkpoint_written = False  # a checkpoint write's barrier is next
 
     # ------------------------------------------------------------------ public state
 
@@ -310,8 +314,12 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         self._forbid_collective("barrier")
+        started = time.perf_counter()
         if not self.rounds.failed:  # when failed, the peers are gone or will not come: it would wait for the timeout
             super().barrier(name)
+        if self._checkpoint_written and name == CHECKPOINT_BARRIER:
+            self._checkpoint_written = False  # the wait for the writer is no more training than the write
+            self.rounds.exclude_time(time.perf_counter() - started)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -334,9 +342,17 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._fitting(LightningAdapter.trainer_of(self.lightning_module)):
+        fitting = self._fitting(LightningAdapter.trainer_of(self.lightning_module))
+        if fitting:
             checkpoint["oscars"] = self.state_dict()
+        started = time.perf_counter()
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        if fitting:
+            # Neither the write (rank 0) nor the barrier after it (the others wait for the writer) is a step or a
+            # round's fixed cost: both are left out like validation, or a slow file system would read as a costly
+            # all-reduce and lengthen every round.
+            self.rounds.exclude_time(time.perf_counter() - started)
+            self._checkpoint_written = True
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -671,6 +671,7 @@ def run_one(case: str, out: Path) -> None:
         plan = s.rounds.plan
         result.update(
             history=[r.as_dict() for r in s.history],
+            round_costs=s.rounds.state_dict()["round_costs"],  # the last rounds' measured fixed costs
             num_averagings=s.num_averagings,
             schedule=list(s.schedule.local_steps) if s.schedule else None,
             # the last epoch's plan: where its rounds ended
