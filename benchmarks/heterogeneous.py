@@ -53,6 +53,7 @@ CONFIGS = {
     # the levers, each on top of oscars-exact-uniform
     "oscars-deadline": ["--strategy", "oscars", "--option", "deadline_rounds=true"],
     "oscars-diloco": ["--strategy", "oscars", "--option", "outer_lr=0.7"],
+    "oscars-overlap": ["--strategy", "oscars", "--option", "overlap_averaging=true"],
     # longer rounds: the solver accepts less throughput for shorter rounds (and may take up to 32 local steps)
     "oscars-tolerance-1pct": ["--strategy", "oscars", "--option", "efficiency_tolerance=0.01"],
     "oscars-tolerance-half-pct-32": ["--strategy", "oscars", "--option", "efficiency_tolerance=0.005"]

@@ -176,7 +176,10 @@ class RoundDriver:
         started = time.perf_counter()
         try:
             tensors = self._synchronized_tensors(trainer)
-            summed = self.scheme.synchronize(tensors, mine.encode(n), ControlData.weight_index(n))
+            # Where nothing needs the models equal right after, a scheme may let the combination arrive late.
+            late = next_round is not None and rounds.may_combine_late(next_round)
+            combine = self.scheme.synchronize_late if late else self.scheme.synchronize
+            summed = combine(tensors, mine.encode(n), ControlData.weight_index(n))
         except Exception as error:  # a peer died, raised or hung past the timeout: name it, then stop
             raise RuntimeError(self._collective_failure(error)) from error
         outcome = rounds.absorb(

@@ -302,6 +302,12 @@ class RoundController:
         self._slots_since_average += 1
         return rnd.end_slot if slot + 1 == rnd.end_slot else None
 
+    def may_combine_late(self, next_round: int) -> bool:
+        """Whether the averaging before slot ``next_round`` may reach the models late (overlapped with the next
+        round): not at the epoch's end or where Lightning validates, which need the models equal."""
+        plan = self.plan
+        return plan is not None and next_round < plan.total_slots and next_round not in plan.boundary_slots()
+
     @property
     def needs_average(self) -> bool:
         """Whether a rank trained since the last averaging (the same answer on every rank)."""

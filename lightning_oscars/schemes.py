@@ -12,7 +12,9 @@ Shipped, all averaging the models with one all-reduce:
 * :func:`fixed_period`: local SGD: ``period`` local steps on every rank;
 * :func:`every_step`: averaging after every step (``fixed_period(1)``): ddp's trajectory for plain SGD;
 * :class:`~lightning_oscars.outer.OuterNesterovAveraging`: averaging, then DiLoCo's outer Nesterov step on the
-  averaged pseudo-gradient (``OscarsStrategy(outer_lr=...)``).
+  averaged pseudo-gradient (``OscarsStrategy(outer_lr=...)``);
+* :class:`~lightning_oscars.overlap.OverlappedAveraging`: a round's averaging overlaps the next round and reaches
+  the models one round late (``OscarsStrategy(overlap_averaging=True)``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,18 @@ class SyncScheme(ABC):
         """Combine ``tensors`` (the model, optimizer state, averaged copies: updated in place) with the other
         ranks' and return ``control`` summed over ranks. ``control[weight_index]`` is this rank's weight.
         Collective: every rank calls it with the same layout."""
+
+    def synchronize_late(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
+        """Like :meth:`synchronize` at a round's end where nothing needs the models equal: the combination may
+        reach ``tensors`` at the next call (overlapped with the next round), the summed control is returned now. By
+        default it is :meth:`synchronize`."""
+        return self.synchronize(tensors, control, weight_index)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the tensors hold the last combination (``False`` while a late one is still to be applied; the
+        same answer on every rank)."""
+        return True
 
     def release(self) -> None:  # noqa: B027 - optional: most schemes hold nothing between fits
         """Drop buffers held between rounds (the end of a fit)."""

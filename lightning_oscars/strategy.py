@@ -83,6 +83,10 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         outer_lr: ``None`` (default): plain averaging. A number: after averaging, an outer Nesterov-SGD step of
             this learning rate on the averaged pseudo-gradient (DiLoCo: 0.7; see ``lightning_oscars.outer``).
         outer_momentum: the outer step's momentum (DiLoCo: 0.9).
+        overlap_averaging: post a round's model all-reduce and train the next round meanwhile; its mean is applied
+            at the next round's end as ``x += mean - sent`` (see ``lightning_oscars.overlap``). Models are averaged
+            at once where Lightning needs them equal (validation, checkpoints, epoch ends). Costs one more copy of
+            the averaged tensors. Not with ``outer_lr``.
         timeout: collective timeout (default 10 minutes): a hung rank is reported after at most this long; a
             rank that dies or raises is reported at once. Raise it if saving a checkpoint can take longer.
         start_method: how Lightning starts the ranks (as for ``ddp``): ``"popen"`` re-runs the script.
@@ -115,6 +119,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         monitor: bool = True,
         outer_lr: float | None = None,
         outer_momentum: float = 0.9,
+        overlap_averaging: bool = False,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
@@ -158,6 +163,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             monitor=monitor,
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
+            overlap_averaging=overlap_averaging,
         )
         scheme = self.make_scheme()
         self.driver = RoundDriver(self, scheme, self.make_rounds(scheme, 1, 0), torch.device("cpu"))
@@ -212,9 +218,11 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         return {**self.rounds.state_dict(), "scheme": self.scheme.state_dict()}
 
     def average_if_pending(self) -> None:
-        """Average now if any rank trained since the last averaging (the same answer on every rank)."""
+        """Average now if any rank trained since the last averaging or its result is still to be applied (the same
+        answer on every rank)."""
         trainer = LightningAdapter.trainer_of(self.lightning_module)
-        if self._fitting(trainer) and self.rounds.needs_average:
+        pending = self.rounds.needs_average or (not self.scheme.settled and not self.rounds.failed)
+        if self._fitting(trainer) and pending:
             assert trainer is not None
             self.driver.average(trainer, next_round=None)
 

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_oscars.outer import OuterNesterovAveraging
+from lightning_oscars.overlap import OverlappedAveraging
 from lightning_oscars.policy import SchedulePolicy, Solver
 from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import ModelAveraging, SyncScheme
@@ -36,6 +37,7 @@ class OscarsOptions:
     monitor: bool
     outer_lr: float | None
     outer_momentum: float
+    overlap_averaging: bool
 
     def _set_options(
         self,
@@ -58,6 +60,7 @@ class OscarsOptions:
         monitor: bool,
         outer_lr: float | None = None,
         outer_momentum: float = 0.9,
+        overlap_averaging: bool = False,
     ) -> None:
         if averaging not in ("uniform", "samples"):
             raise ValueError(f"averaging must be 'uniform' or 'samples', got {averaging!r}")
@@ -99,10 +102,21 @@ class OscarsOptions:
         self.outer_lr = None if outer_lr is None else float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         OuterNesterovAveraging(policy, 1.0 if outer_lr is None else outer_lr, outer_momentum)  # raises: bad values
+        if not isinstance(overlap_averaging, bool):
+            raise ValueError(f"overlap_averaging must be True or False, got {overlap_averaging!r}")
+        if overlap_averaging and outer_lr is not None:
+            raise ValueError(
+                "overlap_averaging cannot be combined with outer_lr: the outer step needs the round's mean at the"
+                " round's end, which overlapping delivers one round late"
+            )
+        self.overlap_averaging = overlap_averaging
 
     def make_scheme(self) -> SyncScheme:
         """The synchronisation scheme of a fit (override to plug in another; see ``schemes.py``): model averaging,
-        followed by an outer Nesterov step when ``outer_lr`` is set."""
+        followed by an outer Nesterov step when ``outer_lr`` is set, or overlapped with the next round when
+        ``overlap_averaging`` is."""
+        if self.overlap_averaging:
+            return OverlappedAveraging(self.make_policy())
         if self.outer_lr is None:
             return ModelAveraging(self.make_policy())
         return OuterNesterovAveraging(self.make_policy(), self.outer_lr, self.outer_momentum)

@@ -130,6 +130,23 @@ class SeenPerEpoch(Callback):
             self.round_ends.append([r.end_slot for r in plan.rounds])
 
 
+class SettledProbe(Callback):
+    """Whether the scheme's last averaging had reached the models at every batch end, and a fingerprint of the
+    weights at every validation's end (overlapped averaging must leave them equal there)."""
+
+    def __init__(self) -> None:
+        self.settled: list[bool] = []
+        self.at_validation: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args, **kwargs):
+        self.settled.append(trainer.strategy.scheme.settled)
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            weights = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+            self.at_validation.append(float((weights * torch.arange(1, len(weights) + 1)).sum()))
+
+
 class FaultyModule(ToyModule):
     """Rank 1 misbehaves at its 5th step: raises, hangs (sleeps past the collective timeout) or is killed."""
 
@@ -333,6 +350,7 @@ class LBFGSModule(ToyModule):
 
 
 STEP_SYNCED = ("ripples", "ssp")  # a paradigm of each kind: groups, and the in-job parameter server
+LIFECYCLE_PARADIGMS = (*STEP_SYNCED, "overlap")  # and oscars with its averaging overlapped with the next round
 STEP_SYNCED_LIFECYCLE = ("midepoch_first", "midepoch_second", "sigterm", "max_time", "time_checkpoint")
 
 
@@ -463,13 +481,20 @@ def build(case: str, out: Path):
         strategy = RipplesStrategy(
             generator=generator, group_size=2, warmup_steps=2, max_local_steps=16, overlap=overlap
         )
-    elif case.partition("_")[0] in STEP_SYNCED and case.partition("_")[2] in STEP_SYNCED_LIFECYCLE:
+    elif case == "overlap":  # validation twice per epoch: the averaging before it must leave the models equal
+        strategy = OscarsStrategy(warmup_steps=2, overlap_averaging=True)
+        module = IndexedModule(n=480, batch_size=8, step_cost=0.004)
+        kwargs.update(val_check_interval=0.5, limit_val_batches=2)
+        callbacks += [SettledProbe()]
+    elif case.partition("_")[0] in LIFECYCLE_PARADIGMS and case.partition("_")[2] in STEP_SYNCED_LIFECYCLE:
         # The step-synchronised paradigms under preemption, resume and a time limit; rank 1 3x slower.
         paradigm, _, what = case.partition("_")
         module = IndexedModule(n=480, batch_size=8, step_cost=0.004)
         kwargs.update(max_epochs=3, val_check_interval=0.5, limit_val_batches=2, default_root_dir=str(out))
         if paradigm == "ripples":
             strategy = RipplesStrategy(generator="smart", group_size=2, warmup_steps=2, max_local_steps=16)
+        elif paradigm == "overlap":
+            strategy = OscarsStrategy(warmup_steps=2, overlap_averaging=True)
         else:
             strategy = SSPStrategy(staleness=2, warmup_steps=2)
         if what == "midepoch_first":
@@ -608,7 +633,7 @@ def run_one(case: str, out: Path) -> None:
         ckpt = str(out / "ckpt" / "last.ckpt")
     elif case == "midepoch_second":
         ckpt = str(out / "steps" / "epoch=0-step=5.ckpt")
-    elif case in ("deadline_midepoch_second", "ripples_midepoch_second", "ssp_midepoch_second"):
+    elif case in ("deadline_midepoch_second", *(f"{p}_midepoch_second" for p in LIFECYCLE_PARADIGMS)):
         ckpt = str(out / "steps" / "epoch=0-step=13.ckpt")
     elif case == "resume_from_env":
         ckpt = os.environ["OSCARS_TEST_CKPT"]
@@ -667,6 +692,8 @@ def run_one(case: str, out: Path) -> None:
     for cb in trainer.callbacks:
         if isinstance(cb, BatchProbe):
             result.update(probe=cb.seen, throughput_samples=cb.throughput_samples)
+        if isinstance(cb, SettledProbe):
+            result.update(settled=cb.settled, at_validation=cb.at_validation)
     if isinstance(s, OscarsStrategy):
         plan = s.rounds.plan
         result.update(
@@ -681,6 +708,8 @@ def run_one(case: str, out: Path) -> None:
         )
     if isinstance(s, ParameterServerStrategy):
         result["ps"] = s.scheme.report  # type: ignore[attr-defined]
+    if hasattr(s, "scheme") and hasattr(s.scheme, "applied_late"):
+        result["applied_late"] = s.scheme.applied_late
     if isinstance(s, RipplesStrategy):
         result["ripples"] = s.scheme.report  # type: ignore[attr-defined]
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))

@@ -99,7 +99,17 @@ BATCHES = {
         "eval_after_fit",
         "warmup_too_long",
     ),
-    "rounds": ("basic", "rebalance", "deadline", "timed_warmup", "fixed_warmup", "ripples_max_time", "ssp_max_time"),
+    "rounds": (
+        "basic",
+        "rebalance",
+        "deadline",
+        "timed_warmup",
+        "fixed_warmup",
+        "ripples_max_time",
+        "ssp_max_time",
+        "overlap",
+        "overlap_max_time",
+    ),
     "paradigms": ("ps_ssp", "ps_dssp", "ps_asp", "ps_dasp", "ripples_smart", "ripples_random", "ripples_overlap"),
     # test_lightning_features.py's
     "lightning": (
@@ -620,7 +630,7 @@ def test_dasp_moves_a_slow_rank_out_of_the_synchronous_group_and_back(tmp_path, 
     assert "async" in states and states[-1] == "sync", states
 
 
-@pytest.mark.parametrize("paradigm", ["ripples", "ssp"])
+@pytest.mark.parametrize("paradigm", ["ripples", "ssp", "overlap"])
 def test_step_synced_paradigms_resume_mid_epoch_without_losing_or_repeating_data(paradigm, tmp_path):
     first = finished(f"{paradigm}_midepoch_first", tmp_path)
     assert (tmp_path / "steps" / "epoch=0-step=13.ckpt").exists()
@@ -632,7 +642,7 @@ def test_step_synced_paradigms_resume_mid_epoch_without_losing_or_repeating_data
     assert fast["epoch"] == first[0]["epoch"] == 3 and len(fast["trained"]) == 3
 
 
-@pytest.mark.parametrize("paradigm", ["ripples", "ssp"])
+@pytest.mark.parametrize("paradigm", ["ripples", "ssp", "overlap"])
 def test_step_synced_paradigms_stop_every_rank_at_one_round_boundary_on_sigterm(paradigm, tmp_path):
     import torch
 
@@ -647,11 +657,27 @@ def test_step_synced_paradigms_stop_every_rank_at_one_round_boundary_on_sigterm(
     assert checkpoint["global_step"] == fast["global_step"]
 
 
-@pytest.mark.parametrize("paradigm", ["ripples", "ssp"])
+@pytest.mark.parametrize("paradigm", ["ripples", "ssp", "overlap"])
 def test_step_synced_paradigms_honour_max_time(paradigm, tmp_path, tmp_path_factory):
     fast, slow = finished(f"{paradigm}_max_time", tmp_path, tmp_path_factory)  # both stop, at one step
     assert 0 < fast["global_step"] and fast["epoch"] < 999
     assert len(sum(fast["trained"], [])) > len(sum(slow["trained"], [])), "the fast rank kept its pace"
+
+
+def test_overlapped_averaging_reaches_the_models_late_yet_leaves_them_equal_where_lightning_looks(
+    tmp_path, tmp_path_factory
+):
+    fast, slow = finished("overlap", tmp_path, tmp_path_factory)  # equal weights at the end, checked there
+    _epochs_complete(fast, slow, 480)
+    # Rounds ending inside an epoch were posted and applied one round late, so during the next round the models
+    # held their own progress on top of an average still in flight...
+    assert fast["applied_late"] == slow["applied_late"] > 0
+    assert fast["settled"] == slow["settled"] and not all(fast["settled"])
+    # ...but every validation (twice per epoch) saw one model on both ranks: the averaging before it was applied
+    # at once.
+    assert len(fast["at_validation"]) == 4
+    assert fast["at_validation"] == slow["at_validation"]
+    assert fast["num_averagings"] - fast["applied_late"] >= 4  # an averaging applied at once before each
 
 
 def test_a_time_interval_checkpoint_is_refused_clearly_where_ranks_wait_inside_rounds(tmp_path):

@@ -1,0 +1,143 @@
+"""Model averaging overlapped with the next round's compute: the average reaches the models one round late.
+
+At a round's end a rank all-reduces its control data at once (the next round's schedule, a stop and the signals
+depend on it), copies its tensors into a send buffer and *posts* the model all-reduce without waiting for it. It
+trains the next round from its own model while the collective runs (on gloo's threads, or NCCL's stream). At the
+next round's end it waits for the mean and applies it as a correction::
+
+    x <- x + (mean - sent)
+
+the mean of the models as they were posted, plus this rank's own progress since (overlap local SGD; streaming
+DiLoCo applies its delayed fragments the same way). A round's averaging then costs the small control all-reduce and
+two copies of the model instead of the model's transfer, and the models never quite agree during training: each
+is the last round's mean plus one round of its own steps.
+
+Where Lightning needs the models equal (validation, a checkpoint, an epoch's end, the end of fit) the driver calls
+:meth:`OverlappedAveraging.synchronize`: the pending mean is applied, then the models are averaged at once, as
+without overlap. It costs one extra copy of the averaged tensors (the send buffer) besides the flat buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_oscars.averaging import FlatAverager
+from lightning_oscars.policy import SchedulePolicy
+from lightning_oscars.schemes import ModelAveraging
+
+__all__ = ["LateAverage", "OverlappedAveraging"]
+
+
+class LateAverage:
+    """One averaging of a fixed list of tensors, posted now and applied later as ``x += mean - sent``.
+
+    :meth:`pack` (copy the tensors as sent, fill the flat buffer) and :meth:`correct` (the buffer holding every
+    rank's sum: add ``mean - sent`` to the tensors) are local arithmetic; :meth:`post` and :meth:`apply` add the
+    collective around them. The send copies and the buffer are reused from one round to the next.
+    """
+
+    def __init__(self, tensors: Sequence[Tensor], device: torch.device) -> None:
+        self.tensors = list(tensors)
+        self.sent = [t.detach().clone() for t in self.tensors]
+        # The averager works on the send copies: unpacking writes the mean there, never into the live tensors.
+        self.averager = FlatAverager(self.sent, 1, device)  # control: this rank's weight, summed by the collective
+        self._work: Any = None
+
+    def holds(self, tensors: Sequence[Tensor]) -> bool:
+        """Whether this was built for exactly these tensor objects."""
+        return len(tensors) == len(self.tensors) and all(a is b for a, b in zip(tensors, self.tensors))
+
+    @property
+    def in_flight(self) -> bool:
+        return self._work is not None
+
+    def pack(self, weight: float) -> None:
+        """Copy the tensors as they are now (what this rank sends) and fill the buffer with them."""
+        with torch.no_grad():
+            for sent, tensor in zip(self.sent, self.tensors):
+                sent.copy_(tensor.detach())
+        self.averager.pack(weight, [weight])
+
+    def correct(self) -> None:
+        """The buffer holds the sum over ranks: add ``mean - sent`` to every tensor (bools take the mean)."""
+        with torch.no_grad():
+            for sent, tensor in zip(self.sent, self.tensors):
+                if tensor.dtype != torch.bool:
+                    tensor.sub_(sent)  # this rank's progress since it sent
+            self.averager.unpack_summed(0)  # the mean, into the send copies
+            for sent, tensor in zip(self.sent, self.tensors):
+                if tensor.dtype == torch.bool:
+                    tensor.copy_(sent)
+                else:
+                    tensor.add_(sent)
+
+    def post(self, weight: float, group: Any = None) -> None:
+        """Pack and start the all-reduce; return at once (collective: every rank posts with the same layout)."""
+        self.pack(weight)
+        self._work = dist.all_reduce(self.averager.buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def apply(self) -> None:
+        """Wait for the posted all-reduce and apply its mean as the correction."""
+        work, self._work = self._work, None
+        if work is None:
+            return
+        work.wait()
+        self.correct()
+
+    def drop(self) -> None:
+        """Forget a posted all-reduce without waiting (a failed fit: a peer may never complete it)."""
+        self._work = None
+
+
+class OverlappedAveraging(ModelAveraging):
+    """Model averaging whose round-end all-reduce overlaps the next round (see the module docstring).
+
+    :meth:`synchronize_late` (a round's end) posts the models and returns the summed control data; the mean is
+    applied at the next call. :meth:`synchronize` (validation, checkpoints, an epoch's end) leaves the models equal.
+    """
+
+    name = "overlapped_averaging"
+
+    def __init__(self, policy: SchedulePolicy, device: torch.device | str = "cpu", group: Any = None) -> None:
+        super().__init__(policy, device, group)
+        self._late: LateAverage | None = None
+        self.applied_late = 0  # averagings of this fit that reached the models one round late
+
+    def bind(self, parameters: Iterable[Tensor]) -> None:
+        self.applied_late = 0
+
+    @property
+    def settled(self) -> bool:
+        return self._late is None or not self._late.in_flight
+
+    def synchronize(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
+        self._apply_late()
+        return super().synchronize(tensors, control, weight_index)
+
+    def synchronize_late(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
+        self._apply_late()
+        summed = torch.tensor(list(control), dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group)
+        late = self._late
+        # Rebuilt when the set of tensors changes (a parameter gets its first optimizer state, LBFGS replaces its
+        # state tensors): every rank sees the same change at the same round.
+        if late is None or not late.holds(tensors):
+            late = self._late = LateAverage(tensors, self.device)
+        late.post(control[weight_index], self.group)
+        return summed.tolist()
+
+    def _apply_late(self) -> None:
+        if self._late is not None and self._late.in_flight:
+            self._late.apply()
+            self.applied_late += 1
+
+    def release(self) -> None:
+        super().release()
+        if self._late is not None:
+            self._late.drop()  # only a failed fit leaves one in flight: its peers may be gone
+        self._late = None
