@@ -8,7 +8,8 @@ Checks:
    around ``torch.cuda.synchronize`` for the same steps: medians within 10%, and the event clock adds no host
    synchronisation per step (measured: the host returns before the device finishes).
 2. ``cuda-averaging``: ``FlatAverager`` on CUDA tensors in 2 processes sharing the GPU over gloo: the result is
-   the exact mean (float32 parameters, an int64 counter), and ranks end bit-identical.
+   the exact mean (float32 parameters, an int64 counter), and ranks end bit-identical; ``overlap_averaging``'s
+   posted all-reduce (``LateAverage``) applied after a step of progress gives the mean plus that progress.
 3. ``fit-gpu-2ranks``: ``Trainer(strategy=OscarsStrategy(process_group_backend="gloo"))`` with 2 ranks on the one
    GPU (launched as two single-GPU "nodes"), rank 1 emulated 3x slower: the fit ends, the schedule favours rank 0,
    every rank holds the same weights, and step times were measured with CUDA events.
@@ -75,6 +76,7 @@ def _averaging_worker(rank: int, device: str, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from lightning_oscars.averaging import FlatAverager
+    from lightning_oscars.overlap import LateAverage
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     dev = torch.device(device)
@@ -83,10 +85,18 @@ def _averaging_worker(rank: int, device: str, port: int, out: str) -> None:
     averager = FlatAverager([weight, counter], control_size=1, device=dev)
     summed = averager.all_reduce(1.0, [1.0], 0)
     ok = bool(torch.all(weight == 1.5)) and int(counter) == 11 and summed == [2.0]
+    # overlap_averaging's path: posted, a step of progress while in flight, then applied as mean - sent
+    late_weight = torch.full((1000,), float(rank + 1), device=dev)
+    late = LateAverage([late_weight], dev)
+    late.post(1.0)
+    late_weight.add_(0.25 * (rank + 1))
+    late.apply()
+    late_ok = bool(torch.all(late_weight == 1.5 + 0.25 * (rank + 1)))
     gathered = [torch.zeros(1000) for _ in range(2)]
     dist.all_gather(gathered, weight.cpu())
     same = torch.equal(gathered[0], gathered[1])
-    Path(out).with_suffix(f".{rank}").write_text(json.dumps({"ok": ok, "same": same, "device": str(weight.device)}))
+    result = {"ok": ok, "late_ok": late_ok, "same": same, "device": str(weight.device)}
+    Path(out).with_suffix(f".{rank}").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
@@ -97,7 +107,7 @@ def check_cuda_averaging(device: str) -> dict:
         out = os.path.join(tmp, "avg")
         mp.start_processes(_averaging_worker, args=(device, 29731, out), nprocs=2, start_method="spawn")
         ranks = [json.loads(Path(out).with_suffix(f".{r}").read_text()) for r in range(2)]
-    ok = all(r["ok"] and r["same"] for r in ranks)
+    ok = all(r["ok"] and r["late_ok"] and r["same"] for r in ranks)
     return {"verdict": "PASS" if ok else "FAIL", "ranks": ranks}
 
 

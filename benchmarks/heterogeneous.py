@@ -105,6 +105,13 @@ REGIMES = {
         "args": ["--step-ms", "30", "--hidden", "128", "--n-train", "8192", "--val-check-interval", "0.5"],
         "epochs": 2,
     },
+    # the same with 16 MB of parameters (4M floats) that take no compute: a model whose all-reduce weighs, as a
+    # large model's does over a network (ddp carries it every step, averaging once per round)
+    "gpu-like-heavy": {
+        "args": ["--step-ms", "30", "--hidden", "128", "--n-train", "8192", "--val-check-interval", "0.5"]
+        + ["--ballast-mb", "16"],
+        "epochs": 2,
+    },
 }
 
 

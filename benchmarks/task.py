@@ -114,9 +114,14 @@ class BenchModule(LightningModule):
         slowdown: str = "",
         step_ms: float = 0.0,
         jitter: float = 0.0,
+        ballast_mb: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # A large model's communication without its compute (which the GPU-like regime's sleep stands for): this
+        # many MB of float32 parameters that every all-reduce carries (ddp's gradients, every averaging) and that
+        # take a zero gradient per step.
+        self.ballast = nn.Parameter(torch.zeros(round(ballast_mb * 2**20 / 4))) if ballast_mb > 0 else None
         self.net = nn.Sequential(
             nn.Linear(32, hidden),
             nn.BatchNorm1d(hidden),
@@ -149,6 +154,8 @@ class BenchModule(LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
+        if self.ballast is not None:
+            loss = loss + 0.0 * self.ballast.sum()
         self.device_emulation.step(self.train_clock())
         self.log("train_loss", loss, on_step=True, on_epoch=False)
         return loss

@@ -80,12 +80,20 @@ def main() -> None:
     p.add_argument("--jitter", type=float, default=0.0, help="lognormal log-spread of every step's time")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--n-train", type=int, default=16384)
+    p.add_argument("--ballast-mb", type=float, default=0.0, help="MB of extra parameters every all-reduce carries")
     p.add_argument("--option", action="append", default=[], help="OscarsStrategy option as key=JSON value")
     p.add_argument("--progress", action="store_true", help="show Lightning's progress bar")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     L.seed_everything(0, verbose=False)
-    model = BenchModule(slowdown=a.slowdown, step_ms=a.step_ms, hidden=a.hidden, n_train=a.n_train, jitter=a.jitter)
+    model = BenchModule(
+        slowdown=a.slowdown,
+        step_ms=a.step_ms,
+        hidden=a.hidden,
+        n_train=a.n_train,
+        jitter=a.jitter,
+        ballast_mb=a.ballast_mb,
+    )
     options = {"solver": a.solver, "averaging": a.averaging, **strategy_options(a.option)}
     strategy: object = a.strategy
     if a.strategy == "oscars":

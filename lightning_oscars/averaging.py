@@ -34,6 +34,7 @@ __all__ = [
     "add_flat",
     "agree_on_layout",
     "averaged_tensors",
+    "chunks",
     "decode_integer_mean",
     "encode_integers",
     "flat_copy",
@@ -216,7 +217,7 @@ def averaged_tensors(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _chunks(flat: Tensor, tensors: Sequence[Tensor]) -> Iterator[tuple[Tensor, Tensor]]:
+def chunks(flat: Tensor, tensors: Sequence[Tensor]) -> Iterator[tuple[Tensor, Tensor]]:
     """Pairs each tensor with its consecutive slice of ``flat``, viewed in the tensor's shape (so strided and
     0-dim tensors copy in and out without a temporary)."""
     offset = 0
@@ -237,7 +238,7 @@ def flat_copy(tensors: Sequence[Tensor]) -> Tensor:
 def load_flat(tensors: Sequence[Tensor], flat: Tensor) -> None:
     """Copy ``flat`` (as :func:`flat_copy` packs it) back into the tensors, in place."""
     with torch.no_grad():
-        for tensor, chunk in _chunks(flat, tensors):
+        for tensor, chunk in chunks(flat, tensors):
             tensor.copy_(chunk)
 
 
@@ -245,7 +246,7 @@ def add_flat(tensors: Sequence[Tensor], flat: Tensor) -> None:
     """Add ``flat`` (as :func:`flat_copy` packs it) to the tensors, in place: a correction computed on a snapshot
     applied to values that moved on since."""
     with torch.no_grad():
-        for tensor, chunk in _chunks(flat, tensors):
+        for tensor, chunk in chunks(flat, tensors):
             tensor.add_(chunk.to(tensor.device, tensor.dtype))
 
 
@@ -287,6 +288,33 @@ class FlatAverager:
     def _digits(self) -> Tensor:
         return self.buffer[self._float_end : self._control_start].view(-1, DIGITS)
 
+    @property
+    def float_tensors(self) -> list[Tensor]:
+        """The floating-point tensors, in the order of :attr:`float_part`."""
+        return self._floats
+
+    @property
+    def integer_tensors(self) -> list[Tensor]:
+        """The integer and bool tensors, in the order of :meth:`integer_means`."""
+        return self._integers
+
+    @property
+    def float_part(self) -> Tensor:
+        """The floating-point elements' region of :attr:`buffer`: ``weight * value`` once packed, the sums over ranks
+        after the all-reduce."""
+        return self.buffer[: self._float_end]
+
+    def summed_control(self) -> tuple[list[float], int]:
+        """After the all-reduce: the caller's control entries summed over ranks, and the number of ranks."""
+        tail = self.buffer[self._control_start :].tolist()  # one device-to-host copy for all scalars
+        return tail[:-1], round(tail[-1])
+
+    def integer_means(self, count: int) -> Tensor:
+        """After the all-reduce over ``count`` ranks: every integer element's exact rounded mean (int64, flat)."""
+        if not 1 <= count <= max_exact_ranks(self.buffer.dtype):
+            raise ValueError(f"cannot average integers exactly over {count} ranks in a {self.buffer.dtype} buffer")
+        return decode_integer_mean(self._digits, count)
+
     def holds(self, tensors: Sequence[Tensor]) -> bool:
         """Whether this averager was built for exactly these tensor objects (identity, not values: optimizers
         such as LBFGS replace their state tensors, and comparing tensors by value is ambiguous anyway)."""
@@ -299,9 +327,10 @@ class FlatAverager:
             raise ValueError(f"control has {len(control)} entries, expected {self.control_size}")
         with torch.no_grad():
             floats = self.buffer[: self._float_end]
-            for tensor, chunk in _chunks(floats, self._floats):
+            for tensor, chunk in chunks(floats, self._floats):
                 chunk.copy_(tensor.detach())
-            floats.mul_(weight)
+            if weight != 1.0:  # uniform averaging skips a pass over the model
+                floats.mul_(weight)
             if self._integers:
                 values = torch.cat(
                     [t.detach().reshape(-1).to(device=self.buffer.device, dtype=torch.int64) for t in self._integers]
@@ -316,26 +345,22 @@ class FlatAverager:
         Returns the caller's control entries, summed over ranks (same length as passed to :meth:`pack`); the
         total float weight is entry ``weight_index``.
         """
-        tail = self.buffer[self._control_start :].tolist()  # one device-to-host copy for all scalars
-        summed, count = tail[:-1], round(tail[-1])
+        summed, count = self.summed_control()
         with torch.no_grad():
             if self._floats:
-                total_weight = summed[weight_index]
-                if not total_weight > 0.0:
-                    raise ValueError(f"total weight must be > 0, got {total_weight!r}")
-                floats = self.buffer[: self._float_end]
-                floats.div_(total_weight)
-                for tensor, chunk in _chunks(floats, self._floats):
+                for tensor, chunk in chunks(self.float_mean(summed[weight_index]), self._floats):
                     tensor.copy_(chunk)
             if self._integers:
-                if not 1 <= count <= max_exact_ranks(self.buffer.dtype):
-                    raise ValueError(
-                        f"cannot average integers exactly over {count} ranks in a {self.buffer.dtype} buffer"
-                    )
-                means = decode_integer_mean(self._digits, count)
-                for tensor, chunk in _chunks(means, self._integers):
+                for tensor, chunk in chunks(self.integer_means(count), self._integers):
                     tensor.copy_(chunk)
         return summed
+
+    def float_mean(self, total_weight: float) -> Tensor:
+        """After the all-reduce: :attr:`float_part` divided in place by the ranks' ``total_weight`` (the weighted
+        mean, flat)."""
+        if not total_weight > 0.0:
+            raise ValueError(f"total weight must be > 0, got {total_weight!r}")
+        return self.float_part.div_(total_weight)
 
     def all_reduce(
         self, weight: float, control: Sequence[float], weight_index: int, group: dist.ProcessGroup | None = None

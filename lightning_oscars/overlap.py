@@ -9,12 +9,12 @@ next round's end it waits for the mean and applies it as a correction::
 
 the mean of the models as they were posted, plus this rank's own progress since (overlap local SGD; streaming
 DiLoCo applies its delayed fragments the same way). A round's averaging then costs the small control all-reduce and
-two copies of the model instead of the model's transfer, and the models never quite agree during training: each
-is the last round's mean plus one round of its own steps.
+a few passes over the model in memory instead of the model's transfer, and the models never quite agree during
+training: each is the last round's mean plus one round of its own steps.
 
 Where Lightning needs the models equal (validation, a checkpoint, an epoch's end, the end of fit) the driver calls
 :meth:`OverlappedAveraging.synchronize`: the pending mean is applied, then the models are averaged at once, as
-without overlap. It costs one extra copy of the averaged tensors (the send buffer) besides the flat buffer.
+without overlap. It costs one extra flat copy of the averaged floating-point tensors besides the flat buffer.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_oscars.averaging import FlatAverager
+from lightning_oscars.averaging import FlatAverager, chunks
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.schemes import ModelAveraging
 
@@ -36,45 +36,56 @@ __all__ = ["LateAverage", "OverlappedAveraging"]
 class LateAverage:
     """One averaging of a fixed list of tensors, posted now and applied later as ``x += mean - sent``.
 
-    :meth:`pack` (copy the tensors as sent, fill the flat buffer) and :meth:`correct` (the buffer holding every
-    rank's sum: add ``mean - sent`` to the tensors) are local arithmetic; :meth:`post` and :meth:`apply` add the
-    collective around them. The send copies and the buffer are reused from one round to the next.
+    :meth:`pack` (fill the flat buffer, keep a flat copy of what is sent) and :meth:`correct` (the buffer holding
+    every rank's sum: subtract what was sent from every tensor and add the mean) are local arithmetic; :meth:`post`
+    and :meth:`apply` add the collective around them. The buffer and the copy are reused from round to round: a
+    posting costs two passes over the model (three with a weight other than 1), applying it three.
     """
 
     def __init__(self, tensors: Sequence[Tensor], device: torch.device) -> None:
         self.tensors = list(tensors)
-        self.sent = [t.detach().clone() for t in self.tensors]
-        # The averager works on the send copies: unpacking writes the mean there, never into the live tensors.
-        self.averager = FlatAverager(self.sent, 1, device)  # control: this rank's weight, summed by the collective
+        self.averager = FlatAverager(self.tensors, 1, device)  # control: this rank's weight, summed on the wire
+        self._sent = torch.empty_like(self.averager.float_part)  # this rank's floats as sent (unweighted)
+        self._sent_integers: list[Tensor] = []
         self._work: Any = None
 
     def holds(self, tensors: Sequence[Tensor]) -> bool:
         """Whether this was built for exactly these tensor objects."""
-        return len(tensors) == len(self.tensors) and all(a is b for a, b in zip(tensors, self.tensors))
+        return self.averager.holds(tensors)
 
     @property
     def in_flight(self) -> bool:
         return self._work is not None
 
     def pack(self, weight: float) -> None:
-        """Copy the tensors as they are now (what this rank sends) and fill the buffer with them."""
+        """Fill the buffer with this rank's tensors as they are now, and keep a copy of what it sends."""
+        averager = self.averager
+        averager.pack(1.0, [weight])
         with torch.no_grad():
-            for sent, tensor in zip(self.sent, self.tensors):
-                sent.copy_(tensor.detach())
-        self.averager.pack(weight, [weight])
+            self._sent.copy_(averager.float_part)
+            if weight != 1.0:
+                averager.float_part.mul_(weight)
+            self._sent_integers = [t.detach().clone() for t in averager.integer_tensors]
 
     def correct(self) -> None:
-        """The buffer holds the sum over ranks: add ``mean - sent`` to every tensor (bools take the mean)."""
+        """The buffer holds the sum over ranks: every tensor becomes ``tensor - sent + mean`` (this rank's progress
+        since it sent, on the mean; with no progress exactly the mean). Bools take the mean (the majority)."""
+        averager = self.averager
+        summed, count = averager.summed_control()
         with torch.no_grad():
-            for sent, tensor in zip(self.sent, self.tensors):
-                if tensor.dtype != torch.bool:
-                    tensor.sub_(sent)  # this rank's progress since it sent
-            self.averager.unpack_summed(0)  # the mean, into the send copies
-            for sent, tensor in zip(self.sent, self.tensors):
-                if tensor.dtype == torch.bool:
-                    tensor.copy_(sent)
-                else:
-                    tensor.add_(sent)
+            if averager.float_tensors:
+                mean = averager.float_mean(summed[0])
+                for (tensor, sent), (_, chunk) in zip(
+                    chunks(self._sent, averager.float_tensors), chunks(mean, averager.float_tensors)
+                ):
+                    tensor.sub_(sent).add_(chunk)
+            if averager.integer_tensors:
+                means = averager.integer_means(count)
+                for (tensor, chunk), sent in zip(chunks(means, averager.integer_tensors), self._sent_integers):
+                    if tensor.dtype == torch.bool:
+                        tensor.copy_(chunk)
+                    else:
+                        tensor.sub_(sent).add_(chunk.to(tensor.dtype))
 
     def post(self, weight: float, group: Any = None) -> None:
         """Pack and start the all-reduce; return at once (collective: every rank posts with the same layout)."""
