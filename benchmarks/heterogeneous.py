@@ -54,6 +54,8 @@ CONFIGS = {
     "oscars-deadline": ["--strategy", "oscars", "--option", "deadline_rounds=true"],
     "oscars-diloco": ["--strategy", "oscars", "--option", "outer_lr=0.7"],
     "oscars-overlap": ["--strategy", "oscars", "--option", "overlap_averaging=true"],
+    # longer rounds where speeds differ a lot: max_spread (8) bounds the round at 1x/3x ([10, 3]) and 1x/5x
+    "oscars-spread-16": ["--strategy", "oscars", "--option", "max_spread=16"],
     # longer rounds: the solver accepts less throughput for shorter rounds (and may take up to 32 local steps)
     "oscars-tolerance-1pct": ["--strategy", "oscars", "--option", "efficiency_tolerance=0.01"],
     "oscars-tolerance-half-pct-32": ["--strategy", "oscars", "--option", "efficiency_tolerance=0.005"]

@@ -1,4 +1,20 @@
 import sys
 from pathlib import Path
 
+import pytest
+import torch.distributed as dist
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """The default process group as one gloo rank, for a scheme's collectives (an in-process one-device Trainer
+    earlier in the session may have left its world-size-1 group behind: then that one)."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    assert dist.get_world_size() == 1
+    yield
+    if created:
+        dist.destroy_process_group()

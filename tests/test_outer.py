@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_oscars import OscarsStrategy, SchedulePolicy
@@ -24,18 +23,6 @@ def test_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
     start, avg, m = [torch.tensor([1.0])], [torch.tensor([0.25])], [torch.zeros(1)]
     outer_nesterov_step(start, avg, m, lr=1.0, mu=0.0)
     assert avg[0].item() == start[0].item() == 0.25
-
-
-@pytest.fixture
-def one_rank_group():
-    # An in-process one-device Trainer earlier in the session may have left its world-size-1 group behind.
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29677", rank=0, world_size=1)
-    assert dist.get_world_size() == 1
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def test_scheme_applies_the_outer_step_to_trainable_parameters_only(one_rank_group):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_oscars import OscarsStrategy, SchedulePolicy
@@ -74,17 +73,6 @@ def test_with_no_progress_a_late_average_lands_exactly_where_averaging_at_once_d
     for late_tensors, now_tensors in zip(late_ranks, now_ranks):
         for a, b in zip(late_tensors, now_tensors):
             assert torch.equal(a, b)
-
-
-@pytest.fixture
-def one_rank_group():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29679", rank=0, world_size=1)
-    assert dist.get_world_size() == 1
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def test_the_scheme_posts_at_a_round_end_and_applies_at_the_next_call(one_rank_group):
