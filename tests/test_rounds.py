@@ -184,3 +184,18 @@ def test_checkpoint_state_restores_schedule_estimates_and_plan():
     other = RoundController(SchedulePolicy(warmup_steps=2), 3, 1, clock=FakeClock())
     other.begin_fit()
     assert other.load_state_dict(saved, total_units=64) is None and other.policy.schedule is None
+
+
+def test_only_rounds_ending_away_from_validations_and_the_epoch_end_may_be_combined_late():
+    # Overlapped averaging's rule: where Lightning validates or the epoch ends the models must be equal at once.
+    controller = RoundController(SchedulePolicy(local_steps=[3, 1]), 2, 0, now=lambda: 0.0)
+    controller.begin_fit()
+    plan = controller.plan_epoch(0, total_units=48, bound=64, boundaries=lambda slots: (slots // 2,))
+    ends = [r.end_slot for r in plan.rounds]
+    validation = plan.boundary_slots()[0]
+    assert validation in ends and ends[-1] == plan.total_slots  # the plan ends rounds there
+    late = {end for end in ends if controller.may_combine_late(end)}
+    assert late == set(ends) - {validation, plan.total_slots}
+    assert late, "rounds inside the epoch's halves may be combined late"
+    controller.forget_plan()
+    assert not controller.may_combine_late(ends[0])  # no plan: nothing is late
