@@ -43,8 +43,7 @@ class LateAverage:
     """
 
     def __init__(self, tensors: Sequence[Tensor], device: torch.device) -> None:
-        self.tensors = list(tensors)
-        self.averager = FlatAverager(self.tensors, 1, device)  # control: this rank's weight, summed on the wire
+        self.averager = FlatAverager(tensors, 1, device)  # control: this rank's weight, summed on the wire
         self._sent = torch.empty_like(self.averager.float_part)  # this rank's floats as sent (unweighted)
         self._sent_integers: list[Tensor] = []
         self._work: Any = None

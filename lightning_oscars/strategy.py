@@ -221,8 +221,8 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         """Average now if any rank trained since the last averaging or its result is still to be applied (the same
         answer on every rank)."""
         trainer = LightningAdapter.trainer_of(self.lightning_module)
-        pending = self.rounds.needs_average or (not self.scheme.settled and not self.rounds.failed)
-        if self._fitting(trainer) and pending:
+        rounds = self.rounds
+        if self._fitting(trainer) and (rounds.needs_average or not (self.scheme.settled or rounds.failed)):
             assert trainer is not None
             self.driver.average(trainer, next_round=None)
 
