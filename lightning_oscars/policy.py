@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from lightning_oscars.partition import max_epoch_slots, planned_slots
 from lightning_oscars.solver import (
+    DEFAULT_MAX_SPREAD,
     Schedule,
     rebalance,
     schedule_from_local_steps,
@@ -84,7 +85,7 @@ class SchedulePolicy:
         self,
         solver: Solver = "exact",
         *,
-        max_spread: int = 8,
+        max_spread: int = DEFAULT_MAX_SPREAD,
         max_local_steps: int = 16,
         tolerance: float = 0.02,
         warmup_steps: int = 4,

@@ -35,7 +35,7 @@ from lightning_oscars.loader import empty_batch
 from lightning_oscars.policy import Solver
 from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import ModelAveraging, SyncScheme
-from lightning_oscars.solver import Schedule
+from lightning_oscars.solver import DEFAULT_MAX_SPREAD, Schedule
 from lightning_oscars.strategy_options import OscarsOptions, check_ddp_wrapper_options
 from lightning_oscars.timing import make_clock
 from lightning_oscars.warmup import StoreCounter
@@ -104,7 +104,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         solver: Solver = "exact",
         averaging: Averaging = "uniform",
         average_optimizer_state: bool = False,
-        max_spread: int = 8,
+        max_spread: int = DEFAULT_MAX_SPREAD,
         max_local_steps: int = 16,
         efficiency_tolerance: float = 0.02,
         warmup_steps: int = 4,

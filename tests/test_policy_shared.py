@@ -20,7 +20,7 @@ if _ROOT not in sys.path:
 from benchmarks.simulator import Cluster, FixedPolicy, OscarsPolicy, Slowdown, simulate, simulate_oscars  # noqa: E402
 from lightning_oscars.partition import max_epoch_slots, planned_slots  # noqa: E402
 from lightning_oscars.policy import SchedulePolicy  # noqa: E402
-from lightning_oscars.solver import snap_step_times, solve_schedule  # noqa: E402
+from lightning_oscars.solver import DEFAULT_MAX_SPREAD, snap_step_times, solve_schedule  # noqa: E402
 
 
 def strategy_policy(**options) -> SchedulePolicy:
@@ -50,7 +50,8 @@ def test_the_simulators_oscars_is_the_strategys_default_policy():
     simulator, strategy = OscarsPolicy(), strategy_policy()
     assert isinstance(simulator, SchedulePolicy)
     assert {k: getattr(simulator, k) for k in CONFIGURATION} == {k: getattr(strategy, k) for k in CONFIGURATION}
-    assert strategy.solver == "exact" and strategy.max_spread == 8 and strategy.max_local_steps == 16
+    assert strategy.solver == "exact" and strategy.max_spread == DEFAULT_MAX_SPREAD == 16
+    assert strategy.max_local_steps == 16
     assert strategy.tolerance == 0.02 and strategy.warmup_steps == 4 and strategy.rebalance_threshold == 0.2
     assert strategy.min_gain == 0.02 and strategy.smoothing == 0.5
     # fixed-period local SGD: the strategy's solver="uniform"
@@ -136,7 +137,11 @@ def test_the_simulator_sizes_the_first_epoch_with_the_shared_bound():
         record_batch_size=1,
     )
     bound = policy.epoch_slot_bound(units)
-    assert res.epoch_slots[0] == bound == max_epoch_slots(units, n, 8, last_round=8) < units
+    # the default spread bound does not bind below the cap of 16 local steps: the cap bounds the busiest rank
+    assert res.epoch_slots[0] == bound == max_epoch_slots(units, n, 16, last_round=16) < units
+    tight = OscarsPolicy(max_spread=8)
+    tight.begin(n)
+    assert tight.epoch_slot_bound(units) == max_epoch_slots(units, n, 8, last_round=8) < bound
     strategy = strategy_policy()
     strategy.begin(n)
     assert strategy.epoch_slots(units, strategy.epoch_slot_bound(units)) == (bound, True)
@@ -190,13 +195,13 @@ def test_warmup_shrinks_to_max_steps():
         policy.begin(2, max_steps=max_steps)
         assert policy.local_steps == (warmup, warmup) and not policy.solved
     policy.begin(2, max_steps=2)
-    bound = max_epoch_slots(100, 2, 8, last_round=8)
-    assert policy.epoch_slot_bound(100) == bound
-    assert policy.epoch_slots(100, bound) == (bound, True)
-    assert policy.epoch_slots(100, 30) == (30, True)
-    long_warmup = SchedulePolicy(warmup_steps=12)
+    bound = max_epoch_slots(1000, 2, 16, last_round=16)
+    assert policy.epoch_slot_bound(1000) == bound < 1000
+    assert policy.epoch_slots(1000, bound) == (bound, True)
+    assert policy.epoch_slots(1000, 30) == (30, True)
+    long_warmup = SchedulePolicy(warmup_steps=12, max_spread=8)
     long_warmup.begin(2)
-    assert long_warmup.epoch_slot_bound(100) == max_epoch_slots(100, 2, 8, last_round=12)
+    assert long_warmup.epoch_slot_bound(1000) == max_epoch_slots(1000, 2, 8, last_round=12)
 
 
 def test_step_times_are_smoothed_per_rank():

@@ -126,9 +126,9 @@ def test_first_solve_is_at_cost_zero_and_the_known_cost_always_triggers_a_re_sol
 
 def test_equally_fast_ranks_are_snapped_before_the_exact_solver():
     times, cost = (0.100, 0.103, 0.4), 0.05
-    # what measurement noise would cost unsnapped (tolerance 0.05: the example was built for it)
-    assert solve_schedule(times, cost, tolerance=0.05).local_steps == (8, 7, 2)
-    pinned = OscarsPolicy(initial_step_times=times, initial_allreduce_s=cost, tolerance=0.05)
+    # what measurement noise would cost unsnapped (tolerance 0.05 and spread bound 8: the example was built for them)
+    assert solve_schedule(times, cost, max_spread=8, tolerance=0.05).local_steps == (8, 7, 2)
+    pinned = OscarsPolicy(initial_step_times=times, initial_allreduce_s=cost, max_spread=8, tolerance=0.05)
     assert pinned.schedule.local_steps == (8, 8, 2)
     policy = OscarsPolicy()
     simulate_oscars(Cluster(times), 600, allreduce_s=cost, policy=policy)

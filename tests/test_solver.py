@@ -7,6 +7,7 @@ import pytest
 
 from lightning_oscars import solver as solver_module
 from lightning_oscars.solver import (
+    DEFAULT_MAX_SPREAD,
     Schedule,
     rebalance,
     schedule_drift,
@@ -147,9 +148,11 @@ def test_solver_is_deterministic():
 def test_large_cluster_is_solved_within_bounds():
     rng = random.Random(3)
     times = [rng.uniform(0.05, 0.25) for _ in range(1024)]
-    schedule = solve_schedule(times, 0.02)
-    assert len(schedule.local_steps) == 1024
-    assert max(schedule.local_steps) - min(schedule.local_steps) < 8
+    for spread in (4, 8, DEFAULT_MAX_SPREAD):
+        schedule = solve_schedule(times, 0.02, max_spread=spread)
+        assert len(schedule.local_steps) == 1024
+        assert max(schedule.local_steps) - min(schedule.local_steps) < spread
+        assert max(schedule.local_steps) <= 16
 
 
 def test_brute_force_helper_is_not_vacuous():
@@ -175,8 +178,9 @@ def test_snapping_stops_noise_from_splitting_identical_ranks():
     from lightning_oscars.solver import snap_step_times
 
     noisy = [0.0982, 0.1008, 0.1019, 0.1004, 0.2489, 0.2467]  # two speed classes measured with noise
-    raw = solve_schedule(noisy, 0.02, tolerance=0.05).local_steps
-    snapped = solve_schedule(snap_step_times(noisy), 0.02, tolerance=0.05).local_steps
+    # A spread bound that binds (8): the round's length then sits at a boundary the noise moves rank by rank.
+    raw = solve_schedule(noisy, 0.02, max_spread=8, tolerance=0.05).local_steps
+    snapped = solve_schedule(snap_step_times(noisy), 0.02, max_spread=8, tolerance=0.05).local_steps
     assert len(set(snapped[:4])) == 1 and len(set(snapped[4:])) == 1
     assert snapped[0] > snapped[4]
     assert raw != snapped  # the raw times would have split a class
@@ -293,8 +297,9 @@ def test_fallback_warns_once_per_process():
         solve_schedule([1.0, 2.0])  # a feasible solve does not warn
         assert not caught
         for _ in range(5):
-            solve_schedule([1.0, 9.0], 0.1)
-            solve_schedule_alg1([1.0, 9.0])
+            solve_schedule([1.0, 9.0], 0.1, max_spread=8)
+            solve_schedule_alg1([1.0, 9.0], 8)
+            solve_schedule([1.0, 9.0], 0.1)  # the default bound lets 9x apart ranks be balanced: no warning
     assert len(caught) == 1 and caught[0].category is RuntimeWarning
     message = str(caught[0].message)
     assert "break max_spread=8" in message and "fastest rank would take 9 steps" in message

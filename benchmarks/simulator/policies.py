@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lightning_oscars.policy import SchedulePolicy, Solver
+from lightning_oscars.solver import DEFAULT_MAX_SPREAD
 
 __all__ = ["FixedPolicy", "OscarsPolicy"]
 
@@ -49,7 +50,7 @@ class OscarsPolicy(SchedulePolicy):
     def __init__(
         self,
         warmup_steps: int = 4,
-        max_spread: int = 8,
+        max_spread: int = DEFAULT_MAX_SPREAD,
         max_local_steps: int = 16,
         tolerance: float = 0.02,
         rebalance_threshold: float = 0.2,

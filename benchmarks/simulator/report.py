@@ -10,6 +10,7 @@ from benchmarks.simulator.prediction import CONFIG_PARADIGMS
 from benchmarks.simulator.study import PARADIGMS, StudyConfig
 from benchmarks.simulator.validation import ddp_is_fit
 from benchmarks.tables import markdown_table
+from lightning_oscars.solver import DEFAULT_MAX_SPREAD
 
 __all__ = ["plot", "scaling_markdown", "sensitivity_markdown", "validation_markdown"]
 
@@ -202,9 +203,9 @@ def scaling_markdown(rows: Sequence[Mapping[str, Any]], cfg: StudyConfig) -> lis
         f"Step time {cfg.step_time_s * 1e3:.0f} ms at 1x, per-step lognormal noise sigma {cfg.noise}, model "
         f"{cfg.params / 1e6:.0f}M params x {cfg.bytes_per_param:.0f} B, ring all-reduce at "
         f"{cfg.bandwidth / 1e9:.0f} GB/s and {cfg.latency * 1e6:.0f} us per hop, BSP overlap {cfg.overlap}, "
-        f"local SGD H={cfg.local_period}, oscars with the strategy's defaults (M=8, max 16 local steps, "
-        "tolerance 0.05, warm-up 4, step times within 5% snapped, re-solve on 20% drift of a step time or of the "
-        "all-reduce cost relative to the round, first epoch cut once solved). "
+        f"local SGD H={cfg.local_period}, oscars with the strategy's defaults (M={DEFAULT_MAX_SPREAD}, max 16 local "
+        "steps, tolerance 0.02, warm-up 4, step times within 5% snapped, re-solve on 20% drift of a step time or of "
+        "the all-reduce cost relative to the round, first epoch cut once solved). "
         f"{cfg.steps_per_rank} x N optimizer steps per run. thr = optimizer steps/s "
         "summed over ranks (% of the ideal sum_i 1/t_i); util = compute / (N x wall); idle = mean share of "
         "wall a rank waits at the barrier or in no-op slots; tau = final local steps per speed class; oracle = "
