@@ -26,9 +26,12 @@ def test_drop_in_script_under_oscars(tmp_path):
     assert result["val_acc"] > 0.5, result  # chance is 0.1
     # The OneCycle schedule was sized from estimated_stepping_batches, an upper bound under oscars: never overrun.
     assert 0 < result["global_step"] <= result["scheduled_steps"], result
-    # ... and that bound is the proven one, not the whole data set's batch count (8192 samples in batches of 64).
+    # ... and that bound is the proven one for the default bounds (a round's busiest rank takes at most 16 local
+    # steps). On 2 ranks it reaches the data set's batch count (8192 samples in batches of 64), and the fit, whose
+    # fast rank takes about 3 of every 4 batches, stays well below it.
     batches = 8192 // 64
-    assert result["scheduled_steps"] == 2 * max_epoch_slots(batches, 2, 8, last_round=8) < 2 * batches
+    assert result["scheduled_steps"] == 2 * max_epoch_slots(batches, 2, 16, last_round=16) == 2 * batches
+    assert result["global_step"] < 0.9 * result["scheduled_steps"], result
     # ModelCheckpoint(monitor="val_acc") kept the best averaged model, with oscars' schedule stored alongside.
     best = Path(result["best_model_path"])
     assert best.is_file() and best.parent == out / "checkpoints"
