@@ -60,7 +60,6 @@ from lightning.pytorch.callbacks import (  # noqa: E402
 )
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher  # noqa: E402
 from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa: E402
-from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches  # noqa: E402
 from lightning.pytorch.trainer.states import RunningStage  # noqa: E402
 
 from lightning_oscars.partition import validations_after_resize  # noqa: E402
@@ -230,13 +229,14 @@ class LightningAdapter:
     # ------------------------------------------------------------------ reads and writes of private state
 
     def size_epoch(self, trainer: Trainer, batches: int, mid_epoch: bool = False) -> None:
-        """Tell Lightning the epoch has ``batches`` batches (before ``limit_train_batches``); ``mid_epoch``: re-sized
+        """Tell Lightning the epoch has ``batches`` batches (``limit_train_batches`` is already in the plan: the
+        driver plans the units ddp would train under it, so it is not applied again); ``mid_epoch``: re-sized
         at a batch's end, before that batch's validation check, and the rest of the epoch still runs the validations
         it owed (see :meth:`pace_validation`)."""
         loop = trainer.fit_loop
         done = loop.epoch_loop.batch_idx if mid_epoch else 0
         due = self._validations_due(trainer, done) if mid_epoch else None
-        loop.max_batches = int(_parse_num_batches(RunningStage.TRAINING, batches, trainer.limit_train_batches))
+        loop.max_batches = batches if trainer.limit_train_batches else 0
         self._validation_points = None
         self._epoch_sized = True
         if isinstance(trainer.val_check_interval, float):
@@ -264,14 +264,13 @@ class LightningAdapter:
         """Where Lightning validates in the current epoch, as a function of the epoch's slots: the slot counts after
         which it does, the epoch's end left out (``(batch_idx + 1) % val_check_batch == 0``, or the points planned
         after a mid-epoch re-size). The round plan ends rounds there (``EpochPlan.boundaries``). ``None`` when the
-        epoch does not validate by a count of its own batches (a time interval, a count over the whole fit,
-        ``limit_train_batches``, no validation this epoch)."""
+        epoch does not validate by a count of its own batches (a time interval, a count over the whole fit, no
+        validation this epoch)."""
         every, interval = trainer.check_val_every_n_epoch, trainer.val_check_interval
         if (
             every is None
             or (trainer.current_epoch + 1) % every != 0
             or not trainer.enable_validation
-            or trainer.limit_train_batches != 1.0
             or getattr(trainer, "_val_check_time_interval", None) is not None
             or isinstance(interval, bool)
             or not isinstance(interval, (int, float))
@@ -337,6 +336,26 @@ class LightningAdapter:
             for cb in trainer.checkpoint_callbacks
             if isinstance(cb, ModelCheckpoint) and cb._train_time_interval is not None
         ]
+
+    @staticmethod
+    def lift_batch_limit(trainer: Trainer) -> None:
+        """Let the epoch iterate the load-balanced loader to its end: Lightning caps the combined loader at
+        ``limit_train_batches`` of its length, an upper bound under oscars; the plan holds the limit instead."""
+        combined = trainer.fit_loop._combined_loader
+        if combined is None or combined.limits is None:
+            return
+        combined.limits = None
+        if combined._iterator is not None:  # the first epoch's iterator is made before any hook runs
+            combined._iterator.limits = None
+            fetcher = trainer.fit_loop._data_fetcher
+            if fetcher is not None and fetcher.length is not None:  # it says "last batch" at the capped length
+                fetcher.length = len(combined)
+
+    @staticmethod
+    def training_loader_count(trainer: Trainer) -> int:
+        """How many DataLoaders the fit trains on (Lightning's ``CombinedLoader`` of ``train_dataloader``)."""
+        combined = trainer.fit_loop._combined_loader
+        return 0 if combined is None else len(combined.flattened)
 
     @staticmethod
     def epoch_results(trainer: Trainer) -> Any:

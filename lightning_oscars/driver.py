@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader
 from lightning_oscars.adapter import LightningAdapter
 from lightning_oscars.averaging import agree_on_layout, averaged_tensors, optimizer_state_layout
 from lightning_oscars.control import ControlData
-from lightning_oscars.epoch_metrics import align_epoch_metrics
+from lightning_oscars.epoch_metrics import align_epoch_metrics, module_metric
 from lightning_oscars.faults import FailureBoard, describe_collective_failure
 from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, training_set_size
 from lightning_oscars.rounds import RoundController, ends_slot
@@ -91,7 +92,8 @@ class RoundDriver:
         self.scheme.bind(p for p in module.parameters() if p.requires_grad)
         self.scheme.load_state_dict((restored or {}).get("scheme"))
         loader = self.loader
-        plan = self.rounds.load_state_dict(restored, loader.total_units if loader else None)
+        units = loader.units_within(trainer.limit_train_batches) if loader else None
+        plan = self.rounds.load_state_dict(restored, units)
         if plan is not None and loader is not None:
             # A plan checkpointed under a looser bound (an older release) must still fit in the loader.
             loader.max_slots = max(loader.max_slots, plan.total_slots)
@@ -109,6 +111,14 @@ class RoundDriver:
         loader = self.loader
         if loader is None:
             return
+        loaders = LightningAdapter.training_loader_count(trainer)
+        if loaders > 1:  # every rank sees the same loaders: every rank raises here, before any collective of the epoch
+            raise ValueError(
+                f"strategy={self.strategy.strategy_name!r} splits one training DataLoader by speed, but"
+                f" train_dataloader returned {loaders} (Lightning combines them in a CombinedLoader); all but one"
+                " would go unplanned and lose their data. Combine the data sets into one DataLoader (for example a"
+                " Dataset whose items hold one sample of each), or use strategy='ddp'."
+            )
         epoch = trainer.current_epoch
         accumulation = LightningAdapter.accumulation_at(trainer, epoch)
         if accumulation != loader.batches_per_slot:
@@ -117,7 +127,10 @@ class RoundDriver:
             loader.max_slots = self.rounds.epoch_slot_bound(loader.total_units)
             self.rounds.forget_plan()
         boundaries = self.adapter.validation_slots(trainer, loader.batches_per_slot)
-        plan = self.rounds.plan_epoch(epoch, loader.total_units, loader.max_slots, boundaries)
+        # limit_train_batches is applied here, to the units (what ddp would train), not to the plan's slots.
+        units = loader.units_within(trainer.limit_train_batches)
+        LightningAdapter.lift_batch_limit(trainer)
+        plan = self.rounds.plan_epoch(epoch, units, loader.max_slots, boundaries)
         order = None
         if loader.order.shared:
             # A custom sampler's draw depends on its random state, which differs between ranks: rank 0 draws the
@@ -165,7 +178,9 @@ class RoundDriver:
             torch.distributed.all_gather_object(everyone, keys)
             return everyone
 
-        align_epoch_metrics(results, gather, s.reduce, s.root_device)
+        module = s.lightning_module
+        assert module is not None
+        align_epoch_metrics(results, gather, s.reduce, s.root_device, partial(module_metric, module))
 
     def average(self, trainer: Trainer, next_round: int | None) -> None:
         """The round's one collective: combine the models and the control data, then act on the outcome."""

@@ -175,6 +175,23 @@ class LoadBalancedLoader:
                 f" of the {self.world_size} ranks per epoch. Use a smaller batch size or fewer ranks."
             )
 
+    def units_within(self, limit: float) -> int:
+        """The units an epoch trains under ``limit_train_batches``: as many batches as ddp trains on all ranks
+        together (each rank ``limit`` of its ``DistributedSampler`` shard's batches, or at most ``limit`` batches
+        when it is an int), taken from the start of the epoch's order."""
+        if isinstance(limit, bool) or limit == 1.0:
+            return self.total_units
+        per_rank = math.ceil(self.num_samples / self.world_size)  # DistributedSampler pads the last shard
+        rank_batches = per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
+        limited = min(rank_batches, limit) if isinstance(limit, int) else int(rank_batches * limit)
+        if limited < 1:
+            raise ValueError(
+                f"limit_train_batches={limit} leaves no training batch: each of the {self.world_size} ranks would"
+                f" have {rank_batches} batches under ddp, and {limit} of them is less than one."
+            )
+        units = math.ceil(limited * self.world_size / self.batches_per_slot)
+        return min(self.total_units, max(units, self.world_size))
+
     def __len__(self) -> int:
         # An upper bound: the strategy shortens each epoch to its plan through trainer.num_training_batches.
         return self.max_slots * self.batches_per_slot

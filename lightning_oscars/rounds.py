@@ -292,7 +292,13 @@ class RoundController:
             self._slot_laps.append((slot, 0.0 if self._chained else self.slot.fetch_seconds or 0.0))
             self._round_samples += self.slot.samples
             self._chained = True  # the lap started the next interval
-        if not ends_slot(batch_idx, batches_per_slot, epoch_batches) or slot >= plan.total_slots:
+        if not ends_slot(batch_idx, batches_per_slot, epoch_batches):
+            return None
+        if slot >= plan.total_slots:
+            # Lightning ran past the epoch's plan (a callback lengthened the epoch: SWA's BatchNorm pass adds a
+            # batch). Nobody trained, but a partial accumulation unit may have stepped the optimizer on this rank's
+            # own gradients there: the epoch's end must average (the same answer on every rank: all ran this slot).
+            self._slots_since_average += 1
             return None
         rnd = plan.round_at(slot)
         if rnd.warmup and self.warmup_gate is not None:

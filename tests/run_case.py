@@ -36,6 +36,13 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler  # noqa: E402
+from drop_in_modules import (  # noqa: E402
+    EpochMeanModule,
+    MonitorState,
+    RareMetricModule,
+    StepMonitoredModule,
+    TwoLoaderModule,
+)
 from toy import ToyModule, blobs  # noqa: E402
 
 import lightning_oscars  # noqa: E402,F401
@@ -597,6 +604,35 @@ def build(case: str, out: Path):
         callbacks = []
     elif case == "tiny_dataset":
         module = ToyModule(n=16, batch_size=16)
+    elif case == "metric_rare":  # torchmetrics objects, one logged on some batches only
+        module = RareMetricModule(step_cost=0.004)
+        strategy = OscarsStrategy(local_steps=[4, 1])  # rank 1 trains at batch_idx % 4 == 0 only: never logs it
+    elif case == "two_loaders":
+        module = TwoLoaderModule()
+    elif case == "swa_batchnorm":  # SWA's BatchNorm epoch runs one batch beyond the epoch's plan
+        kwargs.update(max_epochs=3)
+        callbacks += [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)]
+    elif case == "monitor_step_value":  # callbacks deciding on a step value logged with sync_dist=True
+        module = StepMonitoredModule(step_cost=0.004)
+        kwargs.update(max_epochs=3, enable_checkpointing=True, default_root_dir=str(out), val_check_interval=0.5)
+        name = "{epoch}-{step}-{train_loss:.5f}"
+        callbacks += [
+            ModelCheckpoint(dirpath=out / "val", monitor="train_loss", save_top_k=2, filename=name),  # at validation
+            ModelCheckpoint(
+                dirpath=out / "epoch", monitor="train_loss", mode="max", save_top_k=2, filename=name,
+                save_on_train_epoch_end=True,
+            ),
+            ModelCheckpoint(dirpath=out / "steps", monitor="train_loss", every_n_train_steps=5, save_top_k=3, filename=name),
+            EarlyStopping(monitor="train_loss", patience=2),  # at validation
+            EarlyStopping(monitor="train_loss", mode="max", patience=2, check_on_train_epoch_end=True),
+            MonitorState(),
+        ]
+    elif case == "lr_find":  # Tuner(trainer).lr_find(module), then the fit
+        kwargs.update(max_epochs=1, default_root_dir=str(out))
+    elif case == "epoch_mean":
+        module = EpochMeanModule(step_cost=0.004)
+    elif case == "limit_quarter":  # 16 batches per rank under ddp: 4 trained, validation after 2 and 4
+        kwargs.update(limit_train_batches=0.25, val_check_interval=0.5, limit_val_batches=1)
     else:
         raise SystemExit(f"unknown case {case}")
     return module, kwargs, strategy, callbacks
@@ -649,6 +685,12 @@ def run_one(case: str, out: Path) -> None:
         signal.signal(signal.SIGUSR1, requeue)
     started = time.perf_counter()
     try:
+        if case == "lr_find":
+            from lightning.pytorch.tuner import Tuner
+
+            finder = Tuner(trainer).lr_find(module, num_training=20)
+            assert finder is not None
+            result["lr_find"] = {"suggestion": finder.suggestion(), "losses": finder.results["loss"], "lr": module.lr}
         trainer.fit(module, ckpt_path=ckpt)
     except (Exception, SystemExit) as error:  # noqa: BLE001 - reported to the test (SIGTERMException is a SystemExit)
         if os.environ.get("OSCARS_TEST_TRACEBACK"):
@@ -684,7 +726,7 @@ def run_one(case: str, out: Path) -> None:
         validations_per_epoch=per_epoch.validations,
         handled_at=handled_at,
     )
-    for name in ("optimizer_steps", "steps_per_epoch", "trained", "trained_steps"):
+    for name in ("optimizer_steps", "steps_per_epoch", "trained", "trained_steps", "rare_sums", "loss_sums"):
         if hasattr(module, name):
             result[name] = getattr(module, name)
     if hasattr(module, "big"):
@@ -692,6 +734,8 @@ def run_one(case: str, out: Path) -> None:
     for cb in trainer.callbacks:
         if isinstance(cb, BatchProbe):
             result.update(probe=cb.seen, throughput_samples=cb.throughput_samples)
+        if isinstance(cb, MonitorState):
+            result["monitor_state"] = cb.state
         if isinstance(cb, SettledProbe):
             result.update(settled=cb.settled, at_validation=cb.at_validation)
     if isinstance(s, OscarsStrategy):

@@ -199,3 +199,19 @@ def test_only_rounds_ending_away_from_validations_and_the_epoch_end_may_be_combi
     assert late, "rounds inside the epoch's halves may be combined late"
     controller.forget_plan()
     assert not controller.may_combine_late(ends[0])  # no plan: nothing is late
+
+
+def test_a_slot_lightning_runs_past_the_plan_makes_the_epoch_end_average():
+    # SWA's BatchNorm epoch lengthens the epoch by one batch, where a partial accumulation unit steps the optimizer
+    # on each rank's own gradients: the epoch's end must average, on every rank alike.
+    ranks = cluster((0.01, 0.01), local_steps=(2, 2))
+    for c, _ in ranks:
+        c.plan_epoch(0, 16, c.policy.epoch_slot_bound(16))
+    slot = 0
+    while slot < ranks[0][0].plan.total_slots:
+        _, slot = run_round(ranks, slot)
+    assert not any(c.needs_average for c, _ in ranks)
+    for c, _ in ranks:
+        c.begin_slot(SlotInfo(False, 0, 0.0))
+        assert c.end_slot(slot, 1, slot + 1) is None  # no round ends there...
+    assert all(c.needs_average for c, _ in ranks)  # ...but the epoch end averages
