@@ -362,6 +362,16 @@ class LightningAdapter:
         return trainer._results
 
     @staticmethod
+    def training_results(trainer: Trainer) -> Any:
+        """The training loop's logged values (``trainer._results`` is the validation loop's during validation)."""
+        return trainer.fit_loop.epoch_loop._results
+
+    @staticmethod
+    def callback_metric_store(trainer: Trainer) -> dict[str, Any]:
+        """Lightning's store behind ``trainer.callback_metrics``: it keeps the last step values between epochs."""
+        return trainer._logger_connector._callback_metrics
+
+    @staticmethod
     def trainer_of(module: LightningModule | None) -> Trainer | None:
         # After a spawn-launched fit the main process holds a module no longer attached to a Trainer, and
         # LightningModule.trainer raises then.

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from lightning_oscars.adapter import LightningAdapter
 from lightning_oscars.averaging import agree_on_layout, averaged_tensors, optimizer_state_layout
 from lightning_oscars.control import ControlData
-from lightning_oscars.epoch_metrics import align_epoch_metrics, module_metric
+from lightning_oscars.epoch_metrics import agree_step_values, align_epoch_metrics, module_metric, step_values
 from lightning_oscars.faults import FailureBoard, describe_collective_failure
 from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, training_set_size
 from lightning_oscars.rounds import RoundController, ends_slot
@@ -70,12 +70,16 @@ class RoundDriver:
             batches_per_slot=LightningAdapter.accumulation_at(trainer, trainer.current_epoch),
             order=EpochOrder.of(dataloader.sampler, training_set_size(dataloader), s.seed),
         )
+        self.adopt_loader(loader)
+        return loader
+
+    def adopt_loader(self, loader: LoadBalancedLoader) -> None:
+        """Drive ``loader`` with these rounds (its epoch bound, deadline pacer and warm-up gate)."""
         loader.max_slots = self.rounds.epoch_slot_bound(loader.total_units)
         loader.pacer = self.rounds.pacer
         loader.warmup_gate = self.rounds.warmup_gate
         self.loader = loader
         self.rounds.forget_plan()
-        return loader
 
     def begin_rounds(self, trainer: Trainer) -> None:
         """Training starts: install the adapter, restore a checkpoint's rounds, continue a resumed epoch."""
@@ -158,29 +162,50 @@ class RoundDriver:
         next_round = self.rounds.end_slot(batch_idx, self.loader.batches_per_slot, trainer.num_training_batches)
         if next_round is not None:
             self.average(trainer, next_round=next_round)
-        elif self.scheme.waits_within_rounds and LightningAdapter.checkpoint_due(trainer):
-            # A ModelCheckpoint saving at this step reduces its decisions (collectives) before it takes the state
-            # dict, where the averaging would otherwise happen: a peer waiting for this rank inside the round would
-            # never reach them. Averaging first releases it (every rank is at this step: one answer everywhere).
-            self.strategy.average_if_pending()
+        if LightningAdapter.checkpoint_due(trainer):  # the same answer on every rank: it depends on global_step
+            if next_round is None and self.scheme.waits_within_rounds:
+                # A ModelCheckpoint saving at this step reduces its decisions (collectives) before it takes the
+                # state dict, where the averaging would otherwise happen: a peer waiting for this rank inside the
+                # round would never reach them. Averaging first releases it.
+                self.strategy.average_if_pending()
+            self.agree_step_values(trainer)  # its top-k and file name may read a step value
         self.adapter.pace_validation(trainer, batch_idx)
 
     def align_epoch_metrics(self, trainer: Trainer) -> None:
-        """Match the epoch-end ``sync_dist`` reductions across ranks (see ``epoch_metrics.py``): one small
-        collective at every training epoch end, on every rank."""
+        """Match the epoch-end ``sync_dist`` reductions and self-synchronising metrics across ranks (see
+        ``epoch_metrics.py``) and agree on the step values callbacks read at the epoch end: one small collective at
+        every training epoch end, on every rank."""
         s = self.strategy
         results = LightningAdapter.epoch_results(trainer)
         if self.rounds.failed or results is None:
             return
+        steps: list[dict[str, tuple[str, float]]] = []
 
         def gather(keys: dict[str, dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
-            everyone: list[Any] = [None] * s.world_size
-            torch.distributed.all_gather_object(everyone, keys)
-            return everyone
+            everyone = self._gather_objects((keys, step_values(results)))
+            steps.extend(step for _, step in everyone)
+            return [keys for keys, _ in everyone]
 
         module = s.lightning_module
         assert module is not None
         align_epoch_metrics(results, gather, s.reduce, s.root_device, partial(module_metric, module))
+        agree_step_values(results, steps, LightningAdapter.callback_metric_store(trainer))
+
+    def agree_step_values(self, trainer: Trainer) -> None:
+        """Give callbacks about to decide on step values (a validation's, a checkpoint's) one figure on every rank.
+        Collective: call it where every rank is (a validation's start, a batch where a checkpoint is due)."""
+        if self.rounds.failed or not self.strategy.is_active:
+            return
+        results = LightningAdapter.training_results(trainer)
+        if results is None:
+            return
+        everyone = self._gather_objects(step_values(results))
+        agree_step_values(results, everyone, LightningAdapter.callback_metric_store(trainer))
+
+    def _gather_objects(self, mine: Any) -> list[Any]:
+        everyone: list[Any] = [None] * self.strategy.world_size
+        torch.distributed.all_gather_object(everyone, mine)
+        return everyone
 
     def average(self, trainer: Trainer, next_round: int | None) -> None:
         """The round's one collective: combine the models and the control data, then act on the outcome."""

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
 from torchmetrics import Metric
 
-__all__ = ["align_epoch_metrics", "module_metric", "synced_epoch_keys"]
+__all__ = ["agree_step_values", "align_epoch_metrics", "module_metric", "step_values", "synced_epoch_keys"]
 
 # What a rank that never logged a value contributes to each reduction: nothing.
 _NEUTRAL = {"mean": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
@@ -34,7 +34,8 @@ def _reduction(metric: _ResultMetric) -> str | None:
 
 
 def module_metric(module: torch.nn.Module, attribute: str) -> Metric | None:
-    """The ``Metric`` at ``attribute`` (a ``named_modules`` path, as Lightning records it) of ``module``, or ``None``."""
+    """The ``Metric`` of ``module`` at ``attribute`` (a ``named_modules`` path, as Lightning records it), or
+    ``None``."""
     try:
         found = module.get_submodule(attribute)
     except AttributeError:
@@ -144,3 +145,75 @@ def align_epoch_metrics(
     results.clear()
     results.update(ordered)
     return added
+
+
+# ---------------------------------------------------------------------------------------------------------- step values
+#
+# ``self.log(..., on_step=True, sync_dist=True)`` inside a local step stays rank-local (ranks run different numbers of
+# steps, so the per-step reduction could never be matched). Callbacks that decide on such a value (ModelCheckpoint's
+# top-k and file names, EarlyStopping) must still decide alike on every rank: at the points where they read it (a
+# validation, an epoch end, a step that saves a checkpoint; the same batch on every rank), the ranks agree on each
+# value, reduced as ``reduce_fx`` says over every rank's latest step value.
+
+_REDUCE: dict[str, Callable[[list[float]], float]] = {
+    "mean": lambda values: sum(values) / len(values),
+    "sum": sum,
+    "max": max,
+    "min": min,
+}
+
+
+def _step_name(metric: _ResultMetric) -> str:
+    """The callback-metric name of a value's step figure (``name_step`` when it is also logged per epoch)."""
+    return f"{metric.meta.name}_step" if metric.meta.on_epoch else metric.meta.name
+
+
+def _step_metrics(results: _ResultCollection) -> list[_ResultMetric]:
+    return [
+        metric
+        for metric in results.values()
+        if isinstance(metric, _ResultMetric)
+        and metric.is_tensor
+        and metric.meta.on_step
+        and metric.meta.sync.should
+        and not metric.meta.sync.rank_zero_only
+        and _reduction(metric) is not None
+        and isinstance(metric._forward_cache, torch.Tensor)
+        and metric._forward_cache.numel() == 1
+    ]
+
+
+def step_values(results: _ResultCollection) -> dict[str, tuple[str, float]]:
+    """This rank's latest step value of every ``on_step`` ``sync_dist`` tensor: name -> (reduction, value)."""
+    values: dict[str, tuple[str, float]] = {}
+    for metric in _step_metrics(results):
+        values[_step_name(metric)] = (_reduction(metric) or "mean", float(metric._forward_cache))  # type: ignore[arg-type]
+    return values
+
+
+def agree_step_values(
+    results: _ResultCollection,
+    everyone: list[dict[str, tuple[str, float]]],
+    callback_metrics: dict[str, Any],
+) -> dict[str, float]:
+    """Set every rank's step values to one agreed figure, from every rank's :func:`step_values` (``everyone``, in rank
+    order: the same list on every rank): in ``results`` (what ``trainer.callback_metrics`` is built from during an
+    epoch) and in ``callback_metrics`` (Lightning's store of them, read at validation and epoch ends). A value some
+    rank never logged is reduced over the ranks that did. Returns the agreed figures."""
+    agreed: dict[str, float] = {}
+    for name in sorted({name for values in everyone for name in values}):
+        held = [values[name] for values in everyone if name in values]
+        agreed[name] = float(_REDUCE[held[0][0]]([value for _, value in held]))
+    for metric in _step_metrics(results):
+        name = _step_name(metric)
+        if name in agreed:
+            cache = metric._forward_cache
+            assert isinstance(cache, torch.Tensor)
+            metric._forward_cache = torch.tensor(agreed[name], dtype=cache.dtype, device=cache.device)
+            if not metric.meta.on_epoch:  # a step-only value is its own epoch figure
+                metric.value = metric._forward_cache
+    for name, value in agreed.items():
+        old = callback_metrics.get(name)
+        like = old if isinstance(old, torch.Tensor) else torch.tensor(0.0)
+        callback_metrics[name] = torch.tensor(value, dtype=like.dtype, device=like.device)
+    return agreed

@@ -18,7 +18,7 @@ from lightning_oscars.monitor import ScheduleMonitor
 if TYPE_CHECKING:
     from lightning_oscars.strategy import OscarsStrategy
 
-__all__ = ["EpochCallback", "RoundCallback", "insert_round_callbacks"]
+__all__ = ["EpochCallback", "RoundCallback", "append_round_callbacks", "has_round_callbacks", "insert_round_callbacks"]
 
 
 class EpochCallback(Callback):
@@ -61,6 +61,9 @@ class RoundCallback(Callback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.average_if_pending()
+        if not trainer.sanity_checking and self.strategy._fitting(trainer):
+            # ModelCheckpoint / EarlyStopping at the validation's end may monitor a training step value
+            self.strategy.driver.agree_step_values(trainer)
         self._validation_started = time.perf_counter()
 
     @override
@@ -72,6 +75,7 @@ class RoundCallback(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.strategy.average_if_pending()
+        self.strategy.end_tuner_run()
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -89,3 +93,13 @@ def insert_round_callbacks(strategy: OscarsStrategy, callbacks: list[Callback], 
     callbacks.insert(position, RoundCallback(strategy))
     if extra is not None:
         callbacks.insert(position + 1, extra)
+
+
+def has_round_callbacks(callbacks: list[Callback]) -> bool:
+    """Whether ``callbacks`` holds the epoch and round callbacks (a tuner may have replaced the list)."""
+    return any(isinstance(cb, EpochCallback) for cb in callbacks) and any(isinstance(cb, RoundCallback) for cb in callbacks)
+
+
+def append_round_callbacks(strategy: OscarsStrategy, callbacks: list[Callback]) -> None:
+    """Put the epoch and round callbacks after a tuner's own (Lightning's LR finder reads its callback by position)."""
+    callbacks.extend([EpochCallback(strategy), RoundCallback(strategy)])

@@ -30,11 +30,11 @@ from typing_extensions import override
 from lightning_oscars.adapter import LightningAdapter, destroy_gloo_group_at_exit
 from lightning_oscars.control import RoundRecord
 from lightning_oscars.driver import RoundDriver
-from lightning_oscars.hooks import insert_round_callbacks
+from lightning_oscars.hooks import append_round_callbacks, has_round_callbacks, insert_round_callbacks
 from lightning_oscars.loader import empty_batch
 from lightning_oscars.policy import Solver
 from lightning_oscars.rounds import RoundController
-from lightning_oscars.schemes import ModelAveraging, SyncScheme
+from lightning_oscars.schemes import ModelAveraging, SyncScheme, every_step
 from lightning_oscars.solver import DEFAULT_MAX_SPREAD, Schedule
 from lightning_oscars.strategy_options import OscarsOptions, check_ddp_wrapper_options
 from lightning_oscars.timing import make_clock
@@ -171,6 +171,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         self._in_local_step = False
         self._restored: dict[str, Any] | None = None
         self._checkpoint_written = False  # a checkpoint write's barrier is next
+        self._fit_driver: RoundDriver | None = None  # this fit's driver while a tuner's loop run has its own
 
     # ------------------------------------------------------------------ public state
 
@@ -273,6 +274,38 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         insert_round_callbacks(self, trainer.callbacks, monitor=self.monitor)  # type: ignore[attr-defined]
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = LightningAdapter.trainer_of(self.lightning_module)
+        if not self._fitting(trainer) or has_round_callbacks(trainer.callbacks):  # type: ignore[union-attr]
+            return
+        assert trainer is not None
+        # A tuner replaced trainer.callbacks for a loop run of its own (Tuner.lr_find keeps only its LR callback, whose
+        # per-batch broadcast runs on real steps only, and whose loss curve needs every step real). That run trains on
+        # every rank at every slot, averaging after every step (ddp's steps for SGD), and its weights are restored
+        # after it; this fit's rounds take the loader back at its end (end_tuner_run).
+        self._fit_driver = self.driver
+        scheme = every_step(self.root_device)
+        rounds = RoundController(scheme.policy, self.world_size, self.global_rank, clock=make_clock(self.root_device))
+        rounds.begin_fit(trainer.max_steps)
+        self.driver = RoundDriver(self, scheme, rounds, self.root_device)
+        if self._fit_driver.loader is not None:
+            self.driver.adopt_loader(self._fit_driver.loader)
+        append_round_callbacks(self, trainer.callbacks)  # type: ignore[attr-defined]
+        self.driver.begin_rounds(trainer)
+
+    def end_tuner_run(self) -> None:
+        """A tuner's loop run ended (see :meth:`on_train_start`): this fit's own rounds take over again."""
+        fit_driver, self._fit_driver = self._fit_driver, None
+        if fit_driver is None:
+            return
+        loader = self.driver.loader
+        self.driver.close()
+        self.driver = fit_driver
+        if loader is not None:
+            fit_driver.adopt_loader(loader)
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = LightningAdapter.trainer_of(self.lightning_module)
         if not self._fitting(trainer) or trainer.state.stage != RunningStage.TRAINING:  # type: ignore[union-attr]
@@ -370,6 +403,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self.end_tuner_run()  # a tuner's loop run that raised
         self.driver.close()
         self._noop_batch = None
         super().teardown()

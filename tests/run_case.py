@@ -20,6 +20,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
+from drop_in_modules import (  # noqa: E402
+    EpochMeanModule,
+    MonitorState,
+    RareMetricModule,
+    StepMonitoredModule,
+    TwoLoaderModule,
+)
 from lightning.pytorch.callbacks import (  # noqa: E402
     BatchSizeFinder,
     Callback,
@@ -36,13 +43,6 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler  # noqa: E402
-from drop_in_modules import (  # noqa: E402
-    EpochMeanModule,
-    MonitorState,
-    RareMetricModule,
-    StepMonitoredModule,
-    TwoLoaderModule,
-)
 from toy import ToyModule, blobs  # noqa: E402
 
 import lightning_oscars  # noqa: E402,F401
@@ -622,7 +622,9 @@ def build(case: str, out: Path):
                 dirpath=out / "epoch", monitor="train_loss", mode="max", save_top_k=2, filename=name,
                 save_on_train_epoch_end=True,
             ),
-            ModelCheckpoint(dirpath=out / "steps", monitor="train_loss", every_n_train_steps=5, save_top_k=3, filename=name),
+            ModelCheckpoint(
+                dirpath=out / "steps", monitor="train_loss", every_n_train_steps=5, save_top_k=3, filename=name
+            ),
             EarlyStopping(monitor="train_loss", patience=2),  # at validation
             EarlyStopping(monitor="train_loss", mode="max", patience=2, check_on_train_epoch_end=True),
             MonitorState(),
