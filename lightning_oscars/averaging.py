@@ -261,8 +261,10 @@ class FlatAverager:
     """
 
     def __init__(self, tensors: Sequence[Tensor], control_size: int, device: torch.device) -> None:
-        if not tensors:
-            raise ValueError("nothing to average: the module has no parameters or buffers")
+        # No tensors is fine while control data still rides: a parameter server holds a buffer-less model's every
+        # tensor, yet its round still sums the control data.
+        if not tensors and control_size == 0:
+            raise ValueError("nothing to average: no tensors and no control data")
         if control_size < 0:
             raise ValueError(f"control_size must be >= 0, got {control_size!r}")
         for tensor in tensors:

@@ -16,10 +16,12 @@ Our reading of the seed, as implemented here and in ``ripples.py``:
     ``group_size``. For homogeneous clusters: no randomness, and consecutive divisions overlap, so every model
     mixes with every other within a few divisions.
   - ``random``: a random division of the eligible workers.
-  - ``smart``: only the requester's group, made of the eligible workers expected at their next iteration's end
-    soonest, and only those expected within ``tolerance`` x the requester's own iteration time. A slow worker
-    therefore joins fast ones when it is about to be ready (its own requests always find fast partners close to
-    their step's end) instead of making them wait for most of its step.
+  - ``smart``: only the requester's group, made of eligible workers expected at their next iteration's end within
+    ``tolerance`` x the requester's own iteration time; among those, the ones the requester met longest ago (never
+    first), then the soonest expected. A slow worker therefore joins fast ones when it is about to be ready (its
+    own requests always find fast partners close to their step's end) instead of making them wait for most of its
+    step; and workers that are all equally ready (equal speeds) rotate their partners instead of settling into
+    fixed disjoint groups, whose models would mix only at the rounds' global averages.
 * **Rounds.** Every worker takes part from the start. The board counts every worker's round ends (the strategy's
   global average follows each). A group is made only among workers in the requester's round: a worker that left
   it performs the groups already in its buffer before the global all-reduce and is never handed one it would not
@@ -132,6 +134,8 @@ class GroupBoard:
     # round (a count of round ends) -> when it began, as estimated from its first requests: ``smart`` expects a
     # worker that has not asked in its round yet one pace after that, not at once
     _round_start: dict[int, float] = field(default_factory=dict, init=False, repr=False)
+    # (lower rank, higher rank) -> index in ``history`` of the last group that held both: ``smart`` rotates partners
+    _last_met: dict[tuple[int, int], int] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         validate_options(self.world_size, self.group_size, self.generator, self.buffer_size, self.tolerance)
@@ -186,6 +190,10 @@ class GroupBoard:
             if len(group) < 2 and worker not in group:
                 continue  # nothing to exchange, and not the requester's: nobody is waiting for it
             if len(group) >= 2:
+                for a in group:
+                    for b in group:
+                        if a < b:
+                            self._last_met[a, b] = len(self.history)
                 self.history.append(group)
             for member in group:
                 placements.append((member, self._workers[member].assigned, group))
@@ -228,10 +236,11 @@ class GroupBoard:
             if i == worker or self.backlog(i) > 0:
                 continue  # a worker with a group waiting reaches a new one only after that one
             wait = max(0.0, self._expected(x, now))
-            if wait <= limit:
-                candidates.append((wait, i))
+            if wait <= limit:  # any of these is ready soon enough: prefer the partner met longest ago, to mix
+                last_met = self._last_met.get((min(worker, i), max(worker, i)), -1)
+                candidates.append((last_met, wait, i))
         candidates.sort()
-        return tuple(sorted([worker] + [i for _, i in candidates[: self.group_size - 1]]))
+        return tuple(sorted([worker] + [i for _, _, i in candidates[: self.group_size - 1]]))
 
     def _expected(self, x: _Worker, now: float) -> float:
         """Seconds until worker ``x`` is expected to ask next: one pace after its last request, or after its round

@@ -97,7 +97,8 @@ def insert_round_callbacks(strategy: OscarsStrategy, callbacks: list[Callback], 
 
 def has_round_callbacks(callbacks: list[Callback]) -> bool:
     """Whether ``callbacks`` holds the epoch and round callbacks (a tuner may have replaced the list)."""
-    return any(isinstance(cb, EpochCallback) for cb in callbacks) and any(isinstance(cb, RoundCallback) for cb in callbacks)
+    kinds = {type(cb) for cb in callbacks}
+    return EpochCallback in kinds and RoundCallback in kinds
 
 
 def append_round_callbacks(strategy: OscarsStrategy, callbacks: list[Callback]) -> None:

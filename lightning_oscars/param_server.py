@@ -28,6 +28,15 @@ nobody receives. Its own shard it serves in-process (gloo has no send-to-self). 
 buffer per message, a 4-number header and the shard's payload. Every wait has a timeout that names the rank it
 waited for. A worker that finishes sends STOP; its clock no longer holds anybody back, and a server thread ends
 once every other worker has stopped.
+
+Rounds (the strategies meet at every round's end, ``server_scheme.py``): a worker sends END_ROUND before the round's
+collective. Every shard counts each worker's ended rounds, and clocks count pushes within a round, so the rule
+compares a worker with the others *in its own round*: one that has not pushed in it yet counts at clock 0 (its
+END_ROUND may still be on the way: everybody who passed the collective starts the round from the same base, so the
+bound holds from the round's first step); one that already ended it holds nobody back for the rest of it (else the
+waiting worker would wait for a push that comes only after the collective it cannot reach). A round starts from one
+server state for every rank: a worker's pull before its first push of a round returns the shard as it stood before
+anybody's push of that round (:meth:`Shard.round_start`), however late the worker comes out of the collective.
 """
 
 from __future__ import annotations
@@ -84,19 +93,28 @@ class Shard:
         self.values = values
         self.world_size = world_size
         self.rule = rule
-        self.clocks = [0] * world_size
+        self.clocks = [0] * world_size  # pushes within the worker's current round
+        self.rounds = [0] * world_size  # rounds every worker ended (its END_ROUNDs this shard has seen)
         self.times = WorkerTimes(world_size)
         self.stopped: set[int] = set()
-        self.idle: set[int] = set()  # ended their round: hold nobody back until their next push
-        self.staleness: list[int] = []  # at every grant: the worker's clock minus the slowest active worker's
+        # At every grant, the lead of the worker within its round: its pushes minus the fewest of any worker that
+        # still holds it back (counted from the round's start, whether that worker has pushed in it yet or not).
+        self.staleness: list[int] = []
         self.held = 0  # replies the rule held back (never under ASP)
         self._now = now
         self._changed = threading.Condition()
+        # The shard as it stood before the first push of a round (round, values): what a round starts from.
+        self._round_start: tuple[int, Tensor] | None = None
 
-    def _effective(self) -> list[int]:
-        """Clocks as the rule sees them: a stopped or idle worker holds nobody back."""
-        top = max(self.clocks) + 1
-        return [top + 1 if w in self.stopped or w in self.idle else c for w, c in enumerate(self.clocks)]
+    def view(self, worker: int) -> tuple[list[int], frozenset[int]]:
+        """The clocks as ``worker``'s round sees them, and the workers exempt from holding it back (a stopped one,
+        or one that ended ``worker``'s round). A worker still counted in an earlier round has ended it (its
+        END_ROUND is on the way) and starts ``worker``'s round from clock 0."""
+        with self._changed:
+            own = self.rounds[worker]
+            clocks = [c if r == own else 0 for c, r in zip(self.clocks, self.rounds)]
+            exempt = frozenset(w for w, r in enumerate(self.rounds) if w != worker and (w in self.stopped or r > own))
+            return clocks, exempt
 
     def push(
         self, worker: int, delta: Tensor, clock: int, busy_s: float, decided: Sequence[float] | None = None
@@ -105,14 +123,17 @@ class Shard:
         ``decided``: the rule's decision for ``worker`` from its own shard, adopted here; ``None`` on the worker's own
         shard, which decides it. Returns the decision (to carry to the other shards)."""
         with self._changed:
+            this_round = self.rounds[worker]
+            if self._round_start is None or self._round_start[0] < this_round:
+                self._round_start = (this_round, self.values.clone())  # the first push of the round
             if delta.numel():
                 self.values.add_(delta, alpha=1.0 / self.world_size)
             self.clocks[worker] = clock
-            self.idle.discard(worker)
             now = self._now()
             self.times.pushed(worker, now, busy_s)
             if decided is None or not self.rule.decision_size:
-                self.rule.pushed(worker, self._effective(), self.times, now)
+                clocks, exempt = self.view(worker)
+                self.rule.pushed(worker, clocks, self.times, now, exempt)
             else:
                 self.rule.adopt(worker, decided, now)
             self._changed.notify_all()
@@ -124,13 +145,31 @@ class Shard:
             self._changed.notify_all()
 
     def end_round(self, worker: int) -> None:
-        """``worker`` met the others (or is about to): it holds nobody back until its next push, which counts
-        from clock 1 again."""
+        """``worker`` ended its round (it is about to meet the others): it holds nobody back for the rest of that
+        round, and it starts the next one at clock 0, counted from the start (its next push is clock 1)."""
         with self._changed:
-            self.idle.add(worker)
+            self.rounds[worker] += 1
             self.clocks[worker] = 0
             self.rule.restart(worker)
             self._changed.notify_all()
+
+    def round_start(self, worker: int) -> Tensor:
+        """The parameters ``worker`` starts (or continues) from without pushing: before its first push of its
+        round, the shard as it stood before anybody's push of that round (every worker starts a round from the same
+        state); after it, the current parameters."""
+        with self._changed:
+            this_round = self.rounds[worker]
+            if self.clocks[worker]:
+                return self.values.clone()
+            if self._round_start is None or self._round_start[0] < this_round:
+                # Nobody pushed in this round yet (that push would have kept the state), so the shard holds it.
+                self._round_start = (this_round, self.values.clone())
+            elif self._round_start[0] > this_round:
+                raise RuntimeError(
+                    f"worker {worker} asks for the start of round {this_round}, but round"
+                    f" {self._round_start[0]} already started: a worker skipped a meeting"
+                )
+            return self._round_start[1].clone()
 
     def may_start(self, worker: int, first: bool = False) -> bool:
         """Whether ``worker`` may start its next iteration (``first``: the first time this push asks)."""
@@ -140,15 +179,21 @@ class Shard:
             return allowed
 
     def _allowed(self, worker: int) -> bool:
-        clocks = self._effective()
-        return self.rule.may_start(worker, clocks, self.times, self._now())
+        clocks, exempt = self.view(worker)
+        return self.rule.may_start(worker, clocks, self.times, self._now(), exempt)
+
+    def lead(self, worker: int) -> int:
+        """How many more pushes ``worker`` made in its round than the fewest of those who still hold it back (0
+        when it leads nobody: behind everybody, it misses none of their updates)."""
+        with self._changed:
+            clocks, exempt = self.view(worker)
+            others = [c for w, c in enumerate(clocks) if w != worker and w not in exempt]
+            return max(0, clocks[worker] - min(others)) if others else 0
 
     def grant(self, worker: int) -> Tensor:
         """The parameters ``worker`` starts its next iteration from (call once :meth:`may_start` said so)."""
         with self._changed:
-            running = [c for w, c in enumerate(self.clocks) if w not in self.stopped | self.idle and w != worker]
-            # A worker behind everybody misses none of their updates: its staleness is 0, not negative.
-            self.staleness.append(max(0, self.clocks[worker] - min(running)) if running else 0)
+            self.staleness.append(self.lead(worker))
             return self.values.clone()
 
     def wait(self, worker: int, timeout_s: float, peer_failure: Callable[[], str | None] | None = None) -> Tensor:
@@ -237,9 +282,9 @@ class ParameterServer:
                         self._pending.append(worker)
                 elif op == _END_ROUND:
                     self.shard.end_round(worker)
-                else:  # a pull: the current parameters, whatever the clocks
+                else:  # a pull: the parameters to continue from, whatever the clocks
                     with self._replying:
-                        dist.send(self.shard.grant(worker), dst=worker, group=self._replies)
+                        dist.send(self.shard.round_start(worker), dst=worker, group=self._replies)
                 self._answer()
         except BaseException as error:  # noqa: BLE001 - a peer died: the workers' timeouts name it
             self._error = error
@@ -277,7 +322,7 @@ class ParameterServer:
             self._answer()
             out[start:end] = self.shard.wait(self.rank, self.timeout_s, self.peer_failure)
         else:
-            out[start:end] = self.shard.grant(self.rank)
+            out[start:end] = self.shard.round_start(self.rank)
         timeout = timedelta(seconds=self.timeout_s)
         for server, work, _ in sends:
             self._await(work, server, timeout)
@@ -328,7 +373,9 @@ class ParameterServer:
         return self._round_trip(_PUSH, delta.detach().to("cpu", torch.float32).reshape(-1), busy_s)
 
     def pull(self) -> Tensor:
-        """The server's current parameters, without pushing or waiting (validation, checkpoints, the end)."""
+        """The parameters to continue from, without pushing or waiting: right after :meth:`end_round` (before this
+        worker's first push of the new round) the server's state at the meeting, the same for every worker however
+        late it pulls (:meth:`Shard.round_start`); after a push of the round, the current parameters."""
         if self._closed:
             raise RuntimeError("the parameter server is closed")
         return self._round_trip(_PULL, None, 0.0)
@@ -340,9 +387,10 @@ class ParameterServer:
             self._await(work, server, timeout)
 
     def end_round(self) -> None:
-        """This worker's round is over (it is about to meet the others): it holds nobody back until its next push,
-        and its clock restarts. Call it before the round's collective, so that a worker the rule holds back for
-        this one is released and reaches the collective too."""
+        """This worker's round is over (it is about to meet the others): it holds nobody back for the rest of the
+        round, and its clock restarts from the next round's start. Call it before the round's collective, so that a
+        worker the rule holds back for this one is released and reaches the collective too; every rank calls it
+        at every meeting (the shards count rounds by it)."""
         if self._closed:
             raise RuntimeError("the parameter server is closed")
         self.clock = 0

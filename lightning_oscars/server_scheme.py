@@ -79,7 +79,10 @@ class ParameterServerScheme(ModelAveraging):
 
     def _load(self, flat: Tensor) -> None:
         load_flat(self._params, flat)
-        self._base = flat
+        # The next delta is taken from what the parameters hold: a bf16/fp16 parameter rounds the float32 value
+        # it was given, and a base of the float32 value would push that rounding as an update without a step.
+        exact = all(p.dtype == torch.float32 for p in self._params)
+        self._base = flat if exact else flat_copy(self._params)
 
     def after_step(self) -> None:
         """A real optimizer step just ended: push its delta, continue from what the server returns."""

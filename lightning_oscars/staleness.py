@@ -36,10 +36,10 @@ Pure: no torch, no torch.distributed; time is passed in.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
-__all__ = ["ASP", "BSP", "DASP", "DSSP", "SSP", "StalenessRule", "WorkerTimes"]
+__all__ = ["ASP", "BSP", "DASP", "DSSP", "NOBODY", "SSP", "StalenessRule", "WorkerTimes"]
 
 
 def _count(name: str, value: object, low: int) -> int:
@@ -71,12 +71,23 @@ class WorkerTimes:
         self.last_push[worker] = now
 
 
+NOBODY: frozenset[int] = frozenset()
+"""No worker is exempt: every clock counts."""
+
+
 class StalenessRule:
-    """Decides when a worker may start its next iteration (see the module docstring)."""
+    """Decides when a worker may start its next iteration (see the module docstring).
+
+    ``exempt``, wherever a method takes it: the workers that hold nobody back right now (a stopped worker, or one
+    that ended the asking worker's round on an in-job server). Their entries in ``clocks`` are stale and are never
+    compared, nor taken into a rule's state.
+    """
 
     name = "rule"
 
-    def required_clock(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> int | None:
+    def required_clock(
+        self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
+    ) -> int | None:
         """The clock every worker this one waits for must have reached before ``worker`` starts its next
         iteration; ``None``: start now, wait for nobody."""
         raise NotImplementedError
@@ -89,13 +100,19 @@ class StalenessRule:
         """The clocks the rule compares (default: the clocks themselves)."""
         return list(clocks)
 
-    def may_start(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> bool:
+    def may_start(
+        self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
+    ) -> bool:
+        others = [w for w in self.waits_for(worker, clocks) if w not in exempt]
+        if not others:
+            return True
         rounds = self.rounds(clocks)
-        required = self.required_clock(worker, rounds, times, now)
-        others = self.waits_for(worker, clocks)
-        return required is None or not others or min(rounds[w] for w in others) >= required
+        required = self.required_clock(worker, rounds, times, now, exempt)
+        return required is None or min(rounds[w] for w in others) >= required
 
-    def pushed(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> None:
+    def pushed(
+        self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
+    ) -> None:
         """``worker`` just pushed (its clock and ``times`` are already updated): adjust state."""
 
     def restart(self, worker: int) -> None:  # noqa: B027 - optional: most rules keep no per-clock state
@@ -116,14 +133,18 @@ class StalenessRule:
 class BSP(StalenessRule):
     name = "bsp"
 
-    def required_clock(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> int | None:
+    def required_clock(
+        self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
+    ) -> int | None:
         return clocks[worker]
 
 
 class ASP(StalenessRule):
     name = "asp"
 
-    def required_clock(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> int | None:
+    def required_clock(
+        self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
+    ) -> int | None:
         return None
 
 
@@ -135,7 +156,9 @@ class SSP(StalenessRule):
     def __init__(self, staleness: int = 3) -> None:
         self.staleness = _count("staleness", staleness, 0)
 
-    def required_clock(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> int | None:
+    def required_clock(
+        self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
+    ) -> int | None:
         return clocks[worker] - self.staleness
 
 
@@ -154,12 +177,18 @@ class DSSP(StalenessRule):
         """The threshold currently in force for ``worker``."""
         return self._threshold.get(worker, self.s_low)
 
-    def required_clock(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> int | None:
-        slowest = min(clocks)
+    def required_clock(
+        self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
+    ) -> int | None:
+        # An exempt worker is never the slowest: above every clock (the asking worker's included), it is nobody's
+        # laggard either.
+        above = max(clocks) + 1
+        counted = [above if w in exempt and w != worker else c for w, c in enumerate(clocks)]
+        slowest = min(counted)
         if self.granted.get(worker) != slowest:  # no grant yet at this slowest clock: back to the lower bound
             self._threshold[worker] = self.s_low
             if clocks[worker] - slowest > self.s_low:
-                self._threshold[worker] = self.s_low + self._extra(worker, clocks, times, now)
+                self._threshold[worker] = self.s_low + self._extra(worker, counted, times, now)
                 self.granted[worker] = slowest
         return clocks[worker] - self.threshold(worker)
 
@@ -223,7 +252,9 @@ class DASP(StalenessRule):
     def rounds(self, clocks: Sequence[int]) -> list[int]:
         return [c - self._offset.get(w, 0) for w, c in enumerate(clocks)]
 
-    def required_clock(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> int | None:
+    def required_clock(
+        self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
+    ) -> int | None:
         return None if worker in self.asynchronous else clocks[worker]
 
     def reference_s(self, times: WorkerTimes) -> float:
@@ -232,7 +263,9 @@ class DASP(StalenessRule):
         known = known or [t for t in times.iteration_s if t > 0.0]
         return statistics.median(known) if known else 0.0
 
-    def pushed(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> None:
+    def pushed(
+        self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
+    ) -> None:
         reference, own = self.reference_s(times), times.iteration_s[worker]
         if reference <= 0.0 or own <= 0.0:
             return
@@ -245,7 +278,10 @@ class DASP(StalenessRule):
             self._strikes[worker] = 0
             self.asynchronous.symmetric_difference_update({worker})
             if worker not in self.asynchronous:
+                # Counted from the furthest synchronous peer that still holds anybody back: a stopped worker's or one
+                # past the round's end has a clock that no longer moves (or one of the next round), and counting
+                # from it would make the rejoining worker wait for iterations nobody will run.
                 rounds = self.rounds(clocks)
-                peers = [rounds[w] for w in range(len(clocks)) if w != worker and w not in self.asynchronous]
-                self._offset[worker] = clocks[worker] - max(peers, default=rounds[worker])
+                peers = [rounds[w] for w in self.waits_for(worker, clocks) if w not in exempt]
+                self._offset[worker] = clocks[worker] - max(peers, default=clocks[worker])
             self.switches.append((now, worker, self.state(worker)))

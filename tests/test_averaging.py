@@ -228,9 +228,21 @@ def test_non_positive_total_weight_is_refused():
         averager.unpack_summed(0)
 
 
+def test_no_tensors_still_sums_the_control_data():
+    """A buffer-less model under a parameter server hands the averager no tensor: the round's control data must
+    still be summed (it carries the samples, the stop requests and the hand-back of data)."""
+    results = simulate([[], [], []], weights=[1.0, 2.0, 3.0], controls=[[1.0, 5.0], [2.0, 0.0], [3.0, -1.0]])
+    assert results == [[6.0, 4.0]] * 3
+
+
+def test_empty_control_data_round_trips_through_the_real_all_reduce(gloo):
+    averager = FlatAverager([], control_size=2, device=CPU)
+    assert averager.all_reduce(2.0, [2.0, 9.0], weight_index=0, group=gloo) == [2.0, 9.0]
+
+
 def test_bad_construction_and_control_length_raise():
     with pytest.raises(ValueError, match="nothing to average"):
-        FlatAverager([], 1, CPU)
+        FlatAverager([], 0, CPU)
     with pytest.raises(TypeError, match="complex"):
         FlatAverager([torch.zeros(1, dtype=torch.complex64)], 1, CPU)
     with pytest.raises(ValueError, match="control has 2 entries"):

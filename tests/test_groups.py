@@ -18,8 +18,10 @@ def drive(
     round_end_at: float | None = None,
     seed: int = 0,
     round_ends: tuple[float, ...] = (),
+    jitter: float = 0.2,
 ):
-    """Drive ``board`` as ``ripples.py``'s workers do, in simulated time.
+    """Drive ``board`` as ``ripples.py``'s workers do, in simulated time (every step ``jitter`` x its time apart
+    from it, uniformly).
 
     A worker ends a step, asks for its next group and waits at its buffer's head group; a group is performed (an
     instant exchange) once every member waits at it as its head. Rounds end at the times ``round_ends`` (or
@@ -39,7 +41,7 @@ def drive(
     leaving: set[int] = set()
     barrier: dict[int, float] = {}
     current = [0]  # the round in progress
-    events = [(step_s[i] * rng.uniform(0.8, 1.2), i) for i in range(n)]
+    events = [(step_s[i] * rng.uniform(1 - jitter, 1 + jitter), i) for i in range(n)]
     heapq.heapify(events)
 
     def arrive(i: int, now: float) -> None:
@@ -54,7 +56,7 @@ def drive(
             leaving.clear()
             current[0] += 1
             for m in range(n):
-                heapq.heappush(events, (start + step_s[m] * rng.uniform(0.8, 1.2), m))
+                heapq.heappush(events, (start + step_s[m] * rng.uniform(1 - jitter, 1 + jitter), m))
 
     def perform_ready() -> None:
         progressed = True
@@ -76,7 +78,7 @@ def drive(
                     if m in leaving:
                         arrive(m, finish)
                     else:
-                        heapq.heappush(events, (finish + step_s[m] * rng.uniform(0.8, 1.2), m))
+                        heapq.heappush(events, (finish + step_s[m] * rng.uniform(1 - jitter, 1 + jitter), m))
                 progressed = True
 
     while events:
@@ -300,3 +302,41 @@ def test_the_strategy_overlaps_the_exchange_by_default_and_hands_its_options_to_
     assert not SSPStrategy().timed_warmup and SSPStrategy(timed_warmup=True).timed_warmup
     scheme = RipplesStrategy(overlap=False, group_size=2, generator="random").make_scheme()
     assert scheme.overlap is False and scheme.board_options["generator"] == "random"
+
+
+def _groups_per_round(sequence, rounds, count: int) -> list[list[tuple[int, ...]]]:
+    """The groups of two or more performed in each of the first ``count`` rounds (from ``drive``'s results)."""
+    per_round: list[list[tuple[int, ...]]] = [[] for _ in range(count)]
+    for groups, performed_in in zip(sequence, rounds):
+        for group, index in zip(groups, performed_in):
+            if len(group) > 1 and index < count:
+                per_round[index].append(group)
+    return per_round
+
+
+ROUND_ENDS = (0.3, 0.6, 0.9, 1.2)  # rounds of 30 steps of a 1x worker
+
+
+@pytest.mark.parametrize("generator", ["static", "random", "smart"])
+def test_equal_workers_without_jitter_mix_everybody_within_every_round(generator):
+    """Eight equal workers in lock-step: every worker is equally ready at every request, and ``smart`` must not
+    settle into fixed disjoint groups (models would then mix only at the rounds' global averages)."""
+    board = GroupBoard(8, group_size=3, generator=generator, buffer_size=2)
+    sequence, _, _, rounds = drive(board, [0.01] * 8, steps=400, round_ends=ROUND_ENDS, jitter=0.0)
+    for index, groups in enumerate(_groups_per_round(sequence, rounds, len(ROUND_ENDS))):
+        assert connected(8, groups), f"round {index}: the groups left the workers in disjoint sets"
+
+
+@pytest.mark.parametrize("generator", ["static", "random", "smart"])
+def test_the_groups_of_any_three_rounds_connect_every_worker_on_equal_and_mixed_speeds(generator):
+    for seed in range(40):
+        rng = random.Random(seed)
+        n = rng.choice([4, 5, 8])
+        speeds = [0.01] * n if seed % 2 == 0 else [rng.choice([1.0, 1.0, 2.0, 5.0]) * 0.01 for _ in range(n)]
+        board = GroupBoard(n, group_size=rng.randint(2, 4), generator=generator, buffer_size=rng.randint(1, 3))
+        jitter = rng.choice([0.0, 0.1])
+        sequence, _, _, rounds = drive(board, speeds, steps=400, round_ends=ROUND_ENDS, jitter=jitter, seed=seed)
+        per_round = _groups_per_round(sequence, rounds, len(ROUND_ENDS))
+        for start in range(len(per_round) - 2):
+            window = [g for groups in per_round[start : start + 3] for g in groups]
+            assert connected(n, window), f"seed {seed} ({speeds}, jitter {jitter}): rounds {start}-{start + 2}"
