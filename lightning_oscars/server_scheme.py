@@ -99,7 +99,8 @@ class ParameterServerScheme(ModelAveraging):
         server.end_round()  # nobody waits for this rank any more this round
         held = {id(p) for p in self._params}
         summed = super().synchronize([t for t in tensors if id(t) not in held], control, weight_index)
-        # Everybody is past the all-reduce, so every push of the round has been applied: one model for all.
+        # Everybody is past the all-reduce, so every push of the round has been applied; the pull returns that
+        # state even to a rank that pulls after a faster one pushed again: every rank starts the round from it.
         self._load(server.pull())
         self._since = time.perf_counter()
         return summed

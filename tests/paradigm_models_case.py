@@ -1,0 +1,125 @@
+"""Every strategy of the package fits three kinds of model on 2 ranks, rank 1 3x slower, one fit after another in
+the same two processes (one launch): a buffer-less MLP, an MLP with BatchNorm and an MLP whose first layer is
+frozen. Each rank writes what it ended with as JSON.
+
+Usage: python tests/paradigm_models_case.py OUT_DIR. Launched by tests/test_paradigm_models.py (with a timeout)."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+import lightning_oscars  # noqa: E402,F401 - registers the strategies by name
+from lightning_oscars import HeterogeneityEmulator  # noqa: E402
+
+STRATEGIES = ("oscars", "oscars_alg1", "local_sgd", "bsp", "asp", "ssp", "dssp", "dasp", "ripples")
+MODELS = ("mlp", "batchnorm", "frozen")
+SAMPLES, BATCH_SIZE, FEATURES, CLASSES = 64, 4, 6, 3
+STEP_COST_S = 0.004  # emulated compute per step: the emulator's 3x sleeps in proportion to it
+
+
+class IndexedBlobs(Dataset):
+    """Gaussian blobs whose items carry their index, so each rank can tell which samples it trained on."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        centers = torch.randn(CLASSES, FEATURES, generator=g) * 2.0
+        self.y = torch.randint(0, CLASSES, (SAMPLES,), generator=g)
+        self.x = centers[self.y] + torch.randn(SAMPLES, FEATURES, generator=g)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, int]:
+        return self.x[index], self.y[index], index
+
+
+def make_net(model: str) -> nn.Module:
+    if model == "batchnorm":
+        return nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, CLASSES))
+    net = nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, CLASSES))
+    if model == "frozen":
+        net[0].requires_grad_(False)
+    return net
+
+
+class IndexedModule(L.LightningModule):
+    def __init__(self, model: str) -> None:
+        super().__init__()
+        self.net = make_net(model)
+        self.trained: dict[int, list[int]] = {}  # epoch -> indices of the samples this rank trained on
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y, index = batch
+        self.trained.setdefault(self.current_epoch, []).extend(index.tolist())
+        time.sleep(STEP_COST_S)
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedBlobs(), batch_size=BATCH_SIZE, shuffle=True)
+
+
+def fit_one(strategy: str, model: str) -> dict:
+    L.seed_everything(0, verbose=False)
+    module = IndexedModule(model)
+    frozen_before = [p.detach().clone() for p in module.parameters() if not p.requires_grad]
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        callbacks=[HeterogeneityEmulator({1: 3.0})],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    result: dict = {"rank": trainer.global_rank}
+    try:
+        trainer.fit(module)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(error).__name__}: {error}"
+    frozen_after = [p.detach() for p in module.parameters() if not p.requires_grad]
+    result.update(
+        weights=torch.cat([t.detach().float().reshape(-1) for t in module.state_dict().values()]).tolist(),
+        trained={str(epoch): indices for epoch, indices in module.trained.items()},
+        frozen_kept=all(torch.equal(a, b) for a, b in zip(frozen_before, frozen_after)),
+        global_step=trainer.global_step,
+    )
+    return result
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dump_after = float(os.environ.get("OSCARS_TEST_DUMP_AFTER", "0"))
+    if dump_after > 0:  # a hang prints every rank's stack (to the test's log) and exits instead of waiting
+        faulthandler.dump_traceback_later(dump_after, exit=True)
+    results: dict[str, dict] = {}
+    rank = 0
+    for strategy in STRATEGIES:
+        for model in MODELS:
+            result = results[f"{strategy}/{model}"] = fit_one(strategy, model)
+            rank = result["rank"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()
