@@ -44,8 +44,11 @@ class RankReport:
             work between steps, the averaging); the busiest rank reports the least: the round's fixed cost.
         units: units (optimizer steps' data) it trained in the current round so far: a deadline round hands back
             what its reservation held beyond this.
-        jitter: the log-spread of its steps in the round around its median (0: not measured); deadline rounds
-            choose their length from it.
+        jitter: the log-spread of its steps in the round around its long-run step time (0: not measured);
+            deadline rounds choose their length from it.
+        error: the standard error of ``step_time`` as a fraction of it: the log-spread of the round's steps around
+            their median over the square root of their count (0: fewer than two steps). The solver does not tell
+            ranks apart whose times lie within this noise of each other.
     """
 
     step_time: float = 0.0
@@ -56,6 +59,7 @@ class RankReport:
     overhead: float = 0.0
     units: int = 0
     jitter: float = 0.0
+    error: float = 0.0
 
 
 _ROW = len(dataclasses.fields(RankReport))
@@ -110,12 +114,20 @@ class ControlData:
             raise ValueError(f"control data of {len(summed)} entries for {world_size} ranks")
         rows = []
         for rank in range(world_size):
-            step_time, samples, compute, allreduce, global_step, overhead, units, jitter = summed[
+            step_time, samples, compute, allreduce, global_step, overhead, units, jitter, error = summed[
                 rank * _ROW : (rank + 1) * _ROW
             ]
             rows.append(
                 RankReport(
-                    step_time, round(samples), compute, allreduce, round(global_step), overhead, round(units), jitter
+                    step_time,
+                    round(samples),
+                    compute,
+                    allreduce,
+                    round(global_step),
+                    overhead,
+                    round(units),
+                    jitter,
+                    error,
                 )
             )
         g = cls.weight_index(world_size)

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from lightning_oscars.adapter import LightningAdapter
 from lightning_oscars.averaging import agree_on_layout, averaged_tensors, optimizer_state_layout
 from lightning_oscars.control import ControlData
-from lightning_oscars.epoch_metrics import agree_step_values, align_epoch_metrics, module_metric, step_values
+from lightning_oscars.epoch_metrics import StepValueAgreement, align_epoch_metrics, module_metric
 from lightning_oscars.faults import FailureBoard, describe_collective_failure
 from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, training_set_size
 from lightning_oscars.rounds import RoundController, ends_slot
@@ -52,6 +52,7 @@ class RoundDriver:
         self.adapter = LightningAdapter(self.slot_is_real, device)
         self.loader: LoadBalancedLoader | None = None
         self.restored: dict[str, Any] | None = None
+        self.step_values = StepValueAgreement()
 
     def slot_is_real(self) -> bool:
         return self.rounds.slot.real
@@ -182,14 +183,14 @@ class RoundDriver:
         steps: list[dict[str, tuple[str, float]]] = []
 
         def gather(keys: dict[str, dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
-            everyone = self._gather_objects((keys, step_values(results)))
+            everyone = self._gather_objects((keys, self.step_values.step_values(results)))
             steps.extend(step for _, step in everyone)
             return [keys for keys, _ in everyone]
 
         module = s.lightning_module
         assert module is not None
         align_epoch_metrics(results, gather, s.reduce, s.root_device, partial(module_metric, module))
-        agree_step_values(results, steps, LightningAdapter.callback_metric_store(trainer))
+        self.step_values.agree(results, steps, LightningAdapter.callback_metric_store(trainer))
 
     def agree_step_values(self, trainer: Trainer) -> None:
         """Give callbacks about to decide on step values (a validation's, a checkpoint's) one figure on every rank.
@@ -199,8 +200,8 @@ class RoundDriver:
         results = LightningAdapter.training_results(trainer)
         if results is None:
             return
-        everyone = self._gather_objects(step_values(results))
-        agree_step_values(results, everyone, LightningAdapter.callback_metric_store(trainer))
+        everyone = self._gather_objects(self.step_values.step_values(results))
+        self.step_values.agree(results, everyone, LightningAdapter.callback_metric_store(trainer))
 
     def _gather_objects(self, mine: Any) -> list[Any]:
         everyone: list[Any] = [None] * self.strategy.world_size

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
 from torchmetrics import Metric
 
-__all__ = ["agree_step_values", "align_epoch_metrics", "module_metric", "step_values", "synced_epoch_keys"]
+__all__ = ["StepValueAgreement", "align_epoch_metrics", "module_metric", "synced_epoch_keys"]
 
 # What a rank that never logged a value contributes to each reduction: nothing.
 _NEUTRAL = {"mean": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
@@ -183,37 +183,52 @@ def _step_metrics(results: _ResultCollection) -> list[_ResultMetric]:
     ]
 
 
-def step_values(results: _ResultCollection) -> dict[str, tuple[str, float]]:
-    """This rank's latest step value of every ``on_step`` ``sync_dist`` tensor: name -> (reduction, value)."""
-    values: dict[str, tuple[str, float]] = {}
-    for metric in _step_metrics(results):
-        values[_step_name(metric)] = (_reduction(metric) or "mean", float(metric._forward_cache))  # type: ignore[arg-type]
-    return values
+class StepValueAgreement:
+    """Agrees on the step values, round after round of one fit. A value agreed at one point and not logged again
+    before the next is still this rank's own latest value there: the rank contributes what it logged, never the
+    agreed figure (a ``sum`` would otherwise grow at every agreement)."""
 
+    def __init__(self) -> None:
+        self._agreed: dict[int, tuple[torch.Tensor, float]] = {}  # id(result metric) -> (agreed cache, own value)
 
-def agree_step_values(
-    results: _ResultCollection,
-    everyone: list[dict[str, tuple[str, float]]],
-    callback_metrics: dict[str, Any],
-) -> dict[str, float]:
-    """Set every rank's step values to one agreed figure, from every rank's :func:`step_values` (``everyone``, in rank
-    order: the same list on every rank): in ``results`` (what ``trainer.callback_metrics`` is built from during an
-    epoch) and in ``callback_metrics`` (Lightning's store of them, read at validation and epoch ends). A value some
-    rank never logged is reduced over the ranks that did. Returns the agreed figures."""
-    agreed: dict[str, float] = {}
-    for name in sorted({name for values in everyone for name in values}):
-        held = [values[name] for values in everyone if name in values]
-        agreed[name] = float(_REDUCE[held[0][0]]([value for _, value in held]))
-    for metric in _step_metrics(results):
-        name = _step_name(metric)
-        if name in agreed:
-            cache = metric._forward_cache
-            assert isinstance(cache, torch.Tensor)
-            metric._forward_cache = torch.tensor(agreed[name], dtype=cache.dtype, device=cache.device)
-            if not metric.meta.on_epoch:  # a step-only value is its own epoch figure
-                metric.value = metric._forward_cache
-    for name, value in agreed.items():
-        old = callback_metrics.get(name)
-        like = old if isinstance(old, torch.Tensor) else torch.tensor(0.0)
-        callback_metrics[name] = torch.tensor(value, dtype=like.dtype, device=like.device)
-    return agreed
+    def _own(self, metric: _ResultMetric) -> float:
+        cache = metric._forward_cache
+        assert isinstance(cache, torch.Tensor)
+        agreed = self._agreed.get(id(metric))
+        if agreed is not None and agreed[0] is cache:
+            return agreed[1]
+        return float(cache)
+
+    def step_values(self, results: _ResultCollection) -> dict[str, tuple[str, float]]:
+        """This rank's latest step value of every ``on_step`` ``sync_dist`` tensor: name -> (reduction, value)."""
+        return {_step_name(m): (_reduction(m) or "mean", self._own(m)) for m in _step_metrics(results)}
+
+    def agree(
+        self,
+        results: _ResultCollection,
+        everyone: list[dict[str, tuple[str, float]]],
+        callback_metrics: dict[str, Any],
+    ) -> dict[str, float]:
+        """Set every rank's step values to one agreed figure, from every rank's :meth:`step_values` (``everyone``, in
+        rank order: the same list on every rank): in ``results`` (what ``trainer.callback_metrics`` is built from
+        during an epoch) and in ``callback_metrics`` (Lightning's store of them, read at validation and epoch ends).
+        A value some rank never logged is reduced over the ranks that did. Returns the agreed figures."""
+        agreed: dict[str, float] = {}
+        for name in sorted({name for values in everyone for name in values}):
+            held = [values[name] for values in everyone if name in values]
+            agreed[name] = float(_REDUCE[held[0][0]]([value for _, value in held]))
+        for metric in _step_metrics(results):
+            name = _step_name(metric)
+            if name in agreed:
+                cache = metric._forward_cache
+                assert isinstance(cache, torch.Tensor)
+                own = self._own(metric)
+                metric._forward_cache = torch.tensor(agreed[name], dtype=cache.dtype, device=cache.device)
+                self._agreed[id(metric)] = (metric._forward_cache, own)
+                if not metric.meta.on_epoch:  # a step-only value is its own epoch figure
+                    metric.value = metric._forward_cache
+        for name, value in agreed.items():
+            old = callback_metrics.get(name)
+            like = old if isinstance(old, torch.Tensor) else torch.tensor(0.0)
+            callback_metrics[name] = torch.tensor(value, dtype=like.dtype, device=like.device)
+        return agreed

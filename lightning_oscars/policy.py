@@ -32,7 +32,7 @@ from lightning_oscars.warmup import warmup_reservation
 __all__ = ["SNAP_TOLERANCE", "SPEED_JUMP", "SchedulePolicy", "Solver"]
 
 Solver = Literal["exact", "alg1", "uniform"]
-SolveFn = Callable[[Sequence[float], float], Schedule]
+SolveFn = Callable[..., Schedule]
 # Ranks whose measured step times differ by less than this are treated as equally fast (noise, not speed).
 SNAP_TOLERANCE = 0.05
 # A round's median this many times above or below a rank's estimate replaces the estimate instead of being smoothed
@@ -42,10 +42,16 @@ SPEED_JUMP = 2.0
 
 
 def _solve_exact(
-    times: Sequence[float], allreduce_s: float, *, max_spread: int, max_local_steps: int, tolerance: float
+    times: Sequence[float],
+    allreduce_s: float,
+    *,
+    max_spread: int,
+    max_local_steps: int,
+    tolerance: float,
+    uncertainty: Sequence[float] | None = None,
 ) -> Schedule:
     return solve_schedule(
-        snap_step_times(times, SNAP_TOLERANCE),
+        snap_step_times(times, SNAP_TOLERANCE, uncertainty),
         allreduce_s,
         max_spread=max_spread,
         max_local_steps=max_local_steps,
@@ -54,7 +60,13 @@ def _solve_exact(
 
 
 def _solve_alg1(
-    times: Sequence[float], allreduce_s: float, *, max_spread: int, max_local_steps: int, tolerance: float
+    times: Sequence[float],
+    allreduce_s: float,
+    *,
+    max_spread: int,
+    max_local_steps: int,
+    tolerance: float,
+    uncertainty: Sequence[float] | None = None,
 ) -> Schedule:
     # The paper's algorithm as published: raw times, blind to the all-reduce cost (recorded, not used).
     solved = solve_schedule_alg1(times, max_spread, max_local_steps=max_local_steps)
@@ -140,6 +152,8 @@ class SchedulePolicy:
         self.world_size = 0
         self.schedule: Schedule | None = None
         self.estimate: list[float] = []  # smoothed seconds per step per rank; 0.0 while unknown
+        # each estimate's standard error as a fraction of it (0.0: unknown, or measured without a spread)
+        self.uncertainty: list[float] = []
         self.solves = 0
         self._warmup = warmup_steps
 
@@ -150,6 +164,7 @@ class SchedulePolicy:
         than the warm-up (``max_steps``) spends what it has on measuring."""
         self.world_size = world_size
         self.estimate = [0.0] * world_size
+        self.uncertainty = [0.0] * world_size
         self.solves = 0
         self._warmup = min(self.warmup_steps, max_steps) if max_steps and max_steps > 0 else self.warmup_steps
         self.schedule = self._initial_schedule(world_size)
@@ -205,16 +220,24 @@ class SchedulePolicy:
 
     # ------------------------------------------------------------------ measurements
 
-    def observe(self, medians: Sequence[float], allreduce_s: float) -> bool:
+    def observe(
+        self, medians: Sequence[float], allreduce_s: float, errors: Sequence[float] | None = None
+    ) -> bool:
         """One averaging: fold each rank's median step time of the round (0 or NaN: none measured) into the
-        estimate, maybe (re-)solve; return whether the local steps changed."""
+        estimate, maybe (re-)solve; return whether the local steps changed. ``errors``: each median's standard
+        error as a fraction of it (from the round's spread and step count); the exact solver does not tell apart
+        ranks whose estimates lie within noise of each other (:func:`snap_step_times`)."""
         for rank, median in enumerate(medians):
             if median > 0.0 and math.isfinite(median):
                 old = self.estimate[rank]
+                error = float(errors[rank]) if errors is not None else 0.0
                 if old <= 0.0 or max(median / old, old / median) >= SPEED_JUMP:
                     self.estimate[rank] = median
+                    self.uncertainty[rank] = error
                 else:
-                    self.estimate[rank] = self.smoothing * median + (1.0 - self.smoothing) * old
+                    a = self.smoothing
+                    self.estimate[rank] = a * median + (1.0 - a) * old
+                    self.uncertainty[rank] = math.hypot(a * error, (1.0 - a) * self.uncertainty[rank])
         if self._solve is None or not all(t > 0.0 for t in self.estimate):
             return False
         if self.schedule is None:
@@ -230,7 +253,7 @@ class SchedulePolicy:
     def _count_solve(self, times: Sequence[float], allreduce_s: float) -> Schedule:
         assert self._solve is not None
         self.solves += 1
-        return self._solve(tuple(times), allreduce_s)
+        return self._solve(tuple(times), allreduce_s, uncertainty=tuple(self.uncertainty) or None)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -240,6 +263,7 @@ class SchedulePolicy:
             "local_steps": list(schedule.local_steps) if schedule else None,
             "step_times": list(schedule.step_times) if schedule else None,
             "known_times": list(self.estimate),
+            "known_uncertainty": list(self.uncertainty),
         }
 
     def load_state_dict(self, state: dict[str, Any], allreduce_s: float) -> None:
@@ -250,3 +274,6 @@ class SchedulePolicy:
         known = [float(t) for t in state.get("known_times") or []]
         if len(known) == self.world_size:
             self.estimate = known
+        errors = [float(e) for e in state.get("known_uncertainty") or []]
+        if len(errors) == self.world_size:
+            self.uncertainty = errors

@@ -49,6 +49,10 @@ COST_WINDOW = 9
 __all__ = ["RoundController", "RoundOutcome", "ends_slot"]
 
 
+# A sample median's standard error over the spread's sigma, times sqrt(n) (sqrt(pi / 2) for normal noise).
+MEDIAN_ERROR = math.sqrt(math.pi / 2)
+
+
 def step_jitter(seconds: list[float], reference: float) -> float:
     """The log-spread of a round's step times around the rank's long-run median ``reference`` (a MAD: a round holds
     too few steps for quartiles); 0 with fewer than two steps."""
@@ -344,9 +348,12 @@ class RoundController:
         median = (self._medians.end_round() or 0.0) if self._medians.pending else 0.0
         compute = sum(per_slot.values())
         jitter = 0.0
+        steps = list(per_slot.values())
         if self.pacer is not None:  # only deadline rounds use it
             known = self.policy.estimate[self.rank] if self.policy.estimate else 0.0
-            jitter = step_jitter(list(per_slot.values()), known if known > 0.0 else median)
+            jitter = step_jitter(steps, known if known > 0.0 else median)
+        # How well the round measured this rank's speed: the median's standard error (~1.25 sigma / sqrt(n)).
+        error = MEDIAN_ERROR * step_jitter(steps, median) / math.sqrt(len(steps)) if median > 0.0 else 0.0
         report = RankReport(
             median,
             self._round_samples,
@@ -356,6 +363,7 @@ class RoundController:
             self._last_overhead,
             self._round_units,
             jitter,
+            error,
         )
         weight = float(self._round_samples) if self.weighted else 1.0
         return Contribution(self.rank, report, weight, self._stop or stop, self._sigterm, self._requeue)
@@ -392,7 +400,9 @@ class RoundController:
             self._last_overhead = max(0.0, now - self._round_started - summed.ranks[self.rank].compute)
         self._round_started = now
         in_force = self.local_steps
-        rebalanced = self.policy.observe([r.step_time for r in summed.ranks], self.allreduce_cost)
+        rebalanced = self.policy.observe(
+            [r.step_time for r in summed.ranks], self.allreduce_cost, [r.error for r in summed.ranks]
+        )
         record = RoundRecord(
             round=self.num_averagings,
             time=now - self._started - self._excluded,

@@ -14,9 +14,13 @@ __all__ = [
     "rebalance",
     "schedule_drift",
     "schedule_from_local_steps",
+    "SNAP_SIGMAS",
     "snap_step_times",
     "validate_step_times",
 ]
+
+# How many combined standard errors apart two measured step times must be to count as different speeds.
+SNAP_SIGMAS = 2.0
 
 # Plausible seconds per optimizer step; outside this range a timing is broken (and the arithmetic overflows).
 MIN_STEP_TIME, MAX_STEP_TIME = 1e-9, 1e6
@@ -81,22 +85,37 @@ def validate_step_times(step_times: Sequence[float], name: str = "step_times") -
     return times
 
 
-def snap_step_times(step_times: Sequence[float], tolerance: float = 0.05) -> tuple[float, ...]:
+def snap_step_times(
+    step_times: Sequence[float], tolerance: float = 0.05, uncertainty: Sequence[float] | None = None
+) -> tuple[float, ...]:
     """Give ranks whose step times lie within ``tolerance`` of each other one common (the largest) time.
 
     Measured times of equally fast ranks differ by noise; solving on the raw values lets the shortest
     good round fall between them and hands identical ranks different local steps, and the slightly
     "faster" one then idles every round. Grouping is by sorted order: a group starts at its fastest member
-    and takes every rank up to ``(1 + tolerance)`` times that.
+    and takes every rank up to ``(1 + tolerance)`` times that. ``uncertainty``: every time's standard error, as a
+    fraction of it (log scale); a rank also joins when its distance in log terms is within
+    :data:`SNAP_SIGMAS` combined standard errors of the group's first member: a difference the measurements
+    cannot tell from noise (short, jittery steps measured a few times) is not a speed difference either.
     """
     times = validate_step_times(step_times)
     if not 0.0 <= tolerance < 1.0:
         raise ValueError(f"tolerance must lie in [0, 1), got {tolerance!r}")
+    errors = [0.0] * len(times) if uncertainty is None else [max(0.0, float(e)) for e in uncertainty]
+    if len(errors) != len(times):
+        raise ValueError(f"{len(errors)} uncertainties for {len(times)} step times")
+
+    def same_speed(first: int, rank: int) -> bool:
+        if times[rank] <= times[first] * (1.0 + tolerance):
+            return True
+        noise = SNAP_SIGMAS * math.hypot(errors[first], errors[rank])
+        return math.log(times[rank] / times[first]) <= noise
+
     order = sorted(range(len(times)), key=times.__getitem__)
     snapped = list(times)
     group: list[int] = []
     for rank in [*order, -1]:
-        if group and (rank < 0 or times[rank] > times[group[0]] * (1.0 + tolerance)):
+        if group and (rank < 0 or not same_speed(group[0], rank)):
             slowest = times[group[-1]]
             for member in group:
                 snapped[member] = slowest

@@ -186,6 +186,42 @@ def test_snapping_stops_noise_from_splitting_identical_ranks():
     assert raw != snapped  # the raw times would have split a class
 
 
+def test_a_difference_within_the_measurements_noise_is_not_a_speed_difference():
+    from lightning_oscars.solver import snap_step_times
+
+    # Two identical ranks with 2 ms steps, each measured over a few jittery steps: 8% apart, beyond the 5% tolerance.
+    times = [0.0020, 0.00216]
+    assert snap_step_times(times, 0.05) == tuple(times)
+    # A median of 4 steps with a log-spread of 0.15 is known to about 9%: the 8% gap is noise.
+    assert snap_step_times(times, 0.05, uncertainty=[0.09, 0.09]) == (0.00216, 0.00216)
+    # Well-measured (many steps, 0.5%), the same gap is a speed difference.
+    assert snap_step_times(times, 0.05, uncertainty=[0.005, 0.005]) == tuple(times)
+    # A 3x straggler stays apart even when measured coarsely.
+    assert snap_step_times([0.002, 0.006], 0.05, uncertainty=[0.09, 0.2]) == (0.002, 0.006)
+    with pytest.raises(ValueError, match="uncertainties"):
+        snap_step_times(times, 0.05, uncertainty=[0.1])
+
+
+def test_the_policy_gives_noisily_measured_identical_ranks_equal_local_steps():
+    from lightning_oscars import SchedulePolicy
+
+    # Lightning's EMA resume test: 4 units per epoch on 2 identical ranks. Local steps split by noise make an epoch
+    # of 3 slots instead of 2 (a different optimizer step count from ddp's, depending on timing).
+    policy = SchedulePolicy(warmup_steps=4)
+    policy.begin(2)
+    policy.observe([0.00263, 0.00249], 0.0005)  # 5.5% apart, no spread known: told apart
+    assert len(set(policy.local_steps)) == 2
+    policy = SchedulePolicy(warmup_steps=4)
+    policy.begin(2)
+    policy.observe([0.00263, 0.00249], 0.0005, errors=[0.06, 0.05])
+    assert len(set(policy.local_steps)) == 1
+    # Rounds of well-measured steps shrink the uncertainty; a real 1x/3x difference is always told apart.
+    policy = SchedulePolicy(warmup_steps=4)
+    policy.begin(2)
+    policy.observe([0.002, 0.006], 0.0005, errors=[0.3, 0.3])
+    assert policy.local_steps[0] > policy.local_steps[1]
+
+
 def test_step_times_outside_the_plausible_range_are_rejected():
     with pytest.raises(ValueError, match=r"step_times\[1\]"):
         solve_schedule([0.1, 1e308])
