@@ -5,10 +5,11 @@ would give. Every run has the hard timeout of ``run_case``."""
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 import pytest
-from test_multiprocess import finished, run_case
+from test_multiprocess import _batched, finished, run_case
 
 pytestmark = pytest.mark.multiprocess
 
@@ -122,3 +123,85 @@ def test_save_checkpoint_in_the_main_process_after_a_spawned_fit(tmp_path):
     (main,) = run_case("spawn_then_save", tmp_path, ranks=(0,))
     assert "error" not in main, main["error"]
     assert main["saved"]
+
+
+# ------------------------------------------------------------------ ordinary Lightning idioms, second round (issue 29)
+
+
+def test_a_metric_object_logged_on_some_batches_only_syncs_on_every_rank_without_a_hang(tmp_path, tmp_path_factory):
+    # local_steps [4, 1]: rank 1 trains at batch_idx % 4 == 0 only and never updates or logs the rare metric, whose
+    # epoch value torchmetrics gathers from every rank: rank 0 alone in that gather used to hang until the timeout.
+    fast, slow = finished("metric_rare", tmp_path, tmp_path_factory)
+    assert all(count == 0 for _, count in slow["rare_sums"]) and all(count > 0 for _, count in fast["rare_sums"])
+    total, count = fast["rare_sums"][-1]
+    for rank in (fast, slow):  # MeanMetric over every update of the last epoch, on both ranks
+        assert rank["metrics"]["rare_loss_epoch"] == pytest.approx(total / count, rel=1e-5)
+        assert rank["metrics"]["every_loss_epoch"] == fast["metrics"]["every_loss_epoch"]
+
+
+def test_checkpoint_and_early_stopping_decide_alike_on_a_monitored_step_value(tmp_path, tmp_path_factory):
+    # train_loss is logged per step with sync_dist=True (rank-local inside a local step). ModelCheckpoint at
+    # validation, at the epoch's end and every 5 steps, and EarlyStopping at validation and at the epoch's end,
+    # used to keep a different best score, top-k and best path on every rank.
+    fast, slow = finished("monitor_step_value", tmp_path, tmp_path_factory)
+    state = fast["monitor_state"]
+    assert state == slow["monitor_state"]
+    assert fast["metrics"]["train_loss"] == slow["metrics"]["train_loss"]
+    checkpoints = [v for k, v in state.items() if k.startswith("checkpoint")]
+    assert len(checkpoints) == 3
+    for checkpoint in checkpoints:
+        assert checkpoint["best_k_models"] and checkpoint["best_model_path"] in checkpoint["best_k_models"]
+        for path in checkpoint["best_k_models"]:  # the files rank 0 wrote are the ones every rank names
+            assert Path(path).is_file(), path
+            assert f"train_loss={checkpoint['best_k_models'][path]:.5f}" in path
+
+
+def test_the_learning_rate_finder_runs_with_every_rank_stepping_and_the_fit_after_it_is_balanced(
+    tmp_path, tmp_path_factory
+):
+    # Tuner.lr_find replaces trainer.callbacks for its loop: without oscars' callbacks it trained on empty batches
+    # (19 of 20 losses NaN, no suggestion), and its LR callback broadcasts on real steps only (a hang).
+    fast, slow = finished("lr_find", tmp_path, tmp_path_factory)
+    found = fast["lr_find"]
+    assert found == slow["lr_find"]
+    assert found["suggestion"] is not None and found["lr"] == found["suggestion"] != 0.05
+    assert len(found["losses"]) >= 10 and all(math.isfinite(loss) for loss in found["losses"])
+    assert fast["lr"] == slow["lr"] == [found["suggestion"]]
+    # The fit after it: its own rounds, profiled and balanced (rank 1 is 3x slower), every sample once.
+    assert fast["schedule"][0] > fast["schedule"][1]
+    assert fast["seen_per_epoch"][0] + slow["seen_per_epoch"][0] == 512
+
+
+def test_an_epoch_mean_weighted_by_steps_is_the_mean_over_every_step(tmp_path, tmp_path_factory):
+    # training_step_outputs kept per rank, their mean logged at the epoch end with sync_dist=True. The ranks train
+    # unequal shares: plain means weigh each rank's mean alike; batch_size=len(outputs) weighs each step alike.
+    fast, slow = finished("epoch_mean", tmp_path, tmp_path_factory)
+    (fast_sum, fast_steps), (slow_sum, slow_steps) = fast["loss_sums"][-1], slow["loss_sums"][-1]
+    assert fast_steps > 2 * slow_steps
+    for rank in (fast, slow):
+        metrics = rank["metrics"]
+        assert metrics["mean_per_step"] == pytest.approx((fast_sum + slow_sum) / (fast_steps + slow_steps), rel=1e-5)
+        assert metrics["mean_per_rank"] == pytest.approx((fast_sum / fast_steps + slow_sum / slow_steps) / 2, rel=1e-5)
+
+
+def test_limit_train_batches_trains_what_ddp_trains_and_validates_as_often(tmp_path, tmp_path_factory):
+    # 512 samples in batches of 16: ddp gives each rank 16 batches, 0.25 of them is 4, so 128 samples per epoch,
+    # validated after 2 and 4 batches. The plan used to be cut to 0.25 of its own slots (96 samples).
+    fast, slow = finished("limit_quarter", tmp_path, tmp_path_factory)
+    assert [a + b for a, b in zip(fast["seen_per_epoch"], slow["seen_per_epoch"])] == [128, 128]
+    assert fast["validations_per_epoch"] == slow["validations_per_epoch"] == [2, 2]
+
+
+def test_swa_batchnorm_epoch_past_the_plan_leaves_equal_weights(tmp_path, tmp_path_factory):
+    # SWA's BatchNorm epoch runs one batch beyond the epoch's plan, where the pending accumulation step applies each
+    # rank's own stale gradients: the epoch's end averages again (finished() checks identical weights).
+    fast, slow = finished("swa_batchnorm", tmp_path, tmp_path_factory)
+    assert len(fast["seen_per_epoch"]) == 4  # 3 epochs and SWA's BatchNorm epoch
+    for epoch in range(3):
+        assert fast["seen_per_epoch"][epoch] + slow["seen_per_epoch"][epoch] == 512
+
+
+def test_a_dict_of_training_loaders_is_refused_before_any_data_is_lost(tmp_path_factory):
+    for rank in _batched("two_loaders", tmp_path_factory):
+        assert rank["error"].startswith("ValueError: strategy='oscars' splits one training DataLoader"), rank
+        assert "returned 2" in rank["error"] and rank["global_step"] == 0
