@@ -259,10 +259,12 @@ def test_limit_train_batches_float(tmp_path, tmp_path_factory):
 
 
 def test_limit_train_batches_int(tmp_path, tmp_path_factory):
-    # 9 batches on each of 2 ranks under ddp: 18 batches of 16 an epoch, in fewer slots (rank 1 is 3x slower).
+    # An int caps the epoch's batches as Lightning counts them on every rank: 9 slots an epoch, each trained by the
+    # ranks whose slot it is (rank 1 is 3x slower: fewer samples than ddp's 2 x 9 batches).
     fast, slow = finished("limit_int", tmp_path, tmp_path_factory)
-    assert [a + b for a, b in zip(fast["seen_per_epoch"], slow["seen_per_epoch"])] == [288, 288]
-    assert fast["global_step"] < 2 * 18
+    assert fast["global_step"] == 18
+    assert [a + b for a, b in zip(fast["seen_per_epoch"], slow["seen_per_epoch"])] <= [288, 288]
+    assert fast["validations_per_epoch"] == [1, 1]
 
 
 def test_accumulate_grad_batches(tmp_path, tmp_path_factory):
