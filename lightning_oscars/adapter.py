@@ -229,14 +229,16 @@ class LightningAdapter:
     # ------------------------------------------------------------------ reads and writes of private state
 
     def size_epoch(self, trainer: Trainer, batches: int, mid_epoch: bool = False) -> None:
-        """Tell Lightning the epoch has ``batches`` batches (``limit_train_batches`` is already in the plan: the
-        driver plans the units ddp would train under it, so it is not applied again); ``mid_epoch``: re-sized
+        """Tell Lightning the epoch has ``batches`` batches (a fractional ``limit_train_batches`` is already in the
+        plan: the driver plans the units ddp would train under it; an int one caps the batches, as Lightning counts
+        them on every rank); ``mid_epoch``: re-sized
         at a batch's end, before that batch's validation check, and the rest of the epoch still runs the validations
         it owed (see :meth:`pace_validation`)."""
         loop = trainer.fit_loop
         done = loop.epoch_loop.batch_idx if mid_epoch else 0
         due = self._validations_due(trainer, done) if mid_epoch else None
-        loop.max_batches = batches if trainer.limit_train_batches else 0
+        limit = trainer.limit_train_batches
+        loop.max_batches = min(batches, limit) if isinstance(limit, int) else batches if limit else 0
         self._validation_points = None
         self._epoch_sized = True
         if isinstance(trainer.val_check_interval, float):
@@ -264,13 +266,14 @@ class LightningAdapter:
         """Where Lightning validates in the current epoch, as a function of the epoch's slots: the slot counts after
         which it does, the epoch's end left out (``(batch_idx + 1) % val_check_batch == 0``, or the points planned
         after a mid-epoch re-size). The round plan ends rounds there (``EpochPlan.boundaries``). ``None`` when the
-        epoch does not validate by a count of its own batches (a time interval, a count over the whole fit, no
-        validation this epoch)."""
+        epoch does not validate by a count of its own batches (a time interval, a count over the whole fit, an int
+        ``limit_train_batches``, no validation this epoch)."""
         every, interval = trainer.check_val_every_n_epoch, trainer.val_check_interval
         if (
             every is None
             or (trainer.current_epoch + 1) % every != 0
             or not trainer.enable_validation
+            or isinstance(trainer.limit_train_batches, int)  # the epoch is cut at a batch count, not at its plan's end
             or getattr(trainer, "_val_check_time_interval", None) is not None
             or isinstance(interval, bool)
             or not isinstance(interval, (int, float))

@@ -132,9 +132,10 @@ class RoundDriver:
             loader.max_slots = self.rounds.epoch_slot_bound(loader.total_units)
             self.rounds.forget_plan()
         boundaries = self.adapter.validation_slots(trainer, loader.batches_per_slot)
-        # limit_train_batches is applied here, to the units (what ddp would train), not to the plan's slots.
+        # A fractional limit_train_batches is applied here, to the units (what ddp would train), not to the slots.
         units = loader.units_within(trainer.limit_train_batches)
-        LightningAdapter.lift_batch_limit(trainer)
+        if isinstance(trainer.limit_train_batches, float):
+            LightningAdapter.lift_batch_limit(trainer)
         plan = self.rounds.plan_epoch(epoch, units, loader.max_slots, boundaries)
         order = None
         if loader.order.shared:

@@ -176,14 +176,15 @@ class LoadBalancedLoader:
             )
 
     def units_within(self, limit: float) -> int:
-        """The units an epoch trains under ``limit_train_batches``: as many batches as ddp trains on all ranks
-        together (each rank ``limit`` of its ``DistributedSampler`` shard's batches, or at most ``limit`` batches
-        when it is an int), taken from the start of the epoch's order."""
-        if isinstance(limit, bool) or limit == 1.0:
+        """The units an epoch plans under a fractional ``limit_train_batches``: as many batches as ddp trains on all
+        ranks together (each rank ``limit`` of its ``DistributedSampler`` shard's batches), taken from the start of
+        the epoch's order. An int limit caps the epoch's batches as Lightning counts them (the strategy's
+        ``size_epoch``), over the whole epoch's plan."""
+        if isinstance(limit, int) or limit == 1.0:
             return self.total_units
         per_rank = math.ceil(self.num_samples / self.world_size)  # DistributedSampler pads the last shard
         rank_batches = per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
-        limited = min(rank_batches, limit) if isinstance(limit, int) else int(rank_batches * limit)
+        limited = int(rank_batches * limit)
         if limited < 1:
             raise ValueError(
                 f"limit_train_batches={limit} leaves no training batch: each of the {self.world_size} ranks would"
