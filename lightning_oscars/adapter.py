@@ -61,6 +61,7 @@ from lightning.pytorch.callbacks import (  # noqa: E402
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher  # noqa: E402
 from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa: E402
 from lightning.pytorch.trainer.states import RunningStage  # noqa: E402
+from lightning.pytorch.tuner.lr_finder import _LRCallback  # noqa: E402
 
 from lightning_oscars.partition import validations_after_resize  # noqa: E402
 
@@ -138,6 +139,21 @@ class LightningAdapter:
                 # It measures this rank's throughput and needs its sample count to grow at every batch.
                 hook = callback.on_train_batch_end
                 self._patch(callback, "on_train_batch_end", self._on_real_slots(hook))
+            elif isinstance(callback, _LRCallback):
+                # The learning-rate finder broadcasts its stop decision after every real step and returns before it
+                # when the step produced no loss: on a no-op slot the broadcast is made here, so every rank meets it.
+                hook = callback.on_train_batch_end
+                self._patch(callback, "on_train_batch_end", self._broadcast_on_noop_slots(hook))
+
+    def _broadcast_on_noop_slots(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        def on_train_batch_end(trainer: Trainer, *args: Any, **kwargs: Any) -> Any:
+            result = hook(trainer, *args, **kwargs)
+            stepped = (trainer.fit_loop.batch_idx + 1) % trainer.accumulate_grad_batches == 0
+            if not self._slot_is_real() and stepped:
+                trainer.should_stop = trainer.strategy.broadcast(trainer.should_stop)
+            return result
+
+        return on_train_batch_end
 
     def _on_real_slots(self, hook: Callable[..., Any]) -> Callable[..., Any]:
         def on_real_slot(*args: Any, **kwargs: Any) -> Any:
