@@ -131,13 +131,17 @@ class DeadlinePacer:
     fetched but not run, and its expected time counts (``pending``).
     """
 
-    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, now: Callable[[], float] = time.perf_counter, packed: bool = False) -> None:
         self._now = now
         self.deadline_s = 0.0
         self.step_s = 0.0
         self.quantile_s = 0.0
         self.started: float | None = None
         self._credit = 0.0
+        # Packed: the real steps come first, and once a slot is a no-op so is every later slot of the round (a
+        # lockstep scheme reads "my next slot is a no-op" as "I take no further step in this round").
+        self.packed = packed
+        self._done = False
 
     def start_round(self, deadline_s: float, step_s: float, quantile_s: float | None = None) -> None:
         """A round starts now: its steps should end within ``deadline_s``; this rank's steps take ``step_s`` typically
@@ -148,6 +152,7 @@ class DeadlinePacer:
         self.deadline_s, self.step_s, self.quantile_s = deadline_s, step_s, max(step_s, quantile_s)
         self.started = self._now()
         self._credit = 0.0
+        self._done = False
 
     def shift(self, seconds: float) -> None:
         """``seconds`` outside training passed (validation): the deadline moves by as much."""
@@ -160,18 +165,24 @@ class DeadlinePacer:
 
         The first slot always is (it is fetched before the round's schedule is known). After that, the steps that
         still fit (typical steps, the last one a slow case) are spread over the slots left: a slot is real once the
-        accumulated share ``steps_that_fit / slots_left`` reaches a whole step."""
-        if taken >= reserved:
-            return False
+        accumulated share ``steps_that_fit / slots_left`` reaches a whole step. :attr:`packed`: every slot is real while
+        a step fits, and none after the first that is not."""
         if offset == 0:
-            return True
+            self._done = False  # a new round (also where the round was entered without start_round)
+            return taken < reserved
+        if taken >= reserved or (self.packed and self._done):
+            self._done = True
+            return False
         if self.started is None:  # resumed mid-round from a checkpoint: the round restarts its clock here
             self.started = self._now()
         if self.step_s <= 0.0:
             return True
         left = self.started + self.deadline_s - self._now() - pending * self.step_s
         if left < self.quantile_s:
+            self._done = True
             return False
+        if self.packed:
+            return True
         fits = 1 + math.floor((left - self.quantile_s) / self.step_s)
         slots_left = length - offset
         self._credit += min(1.0, fits / slots_left)

@@ -32,6 +32,7 @@ from lightning_oscars.faults import FailureBoard, describe_collective_failure
 from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, training_set_size
 from lightning_oscars.rounds import RoundController, ends_slot
 from lightning_oscars.schemes import SyncScheme
+from lightning_oscars.server_scheme import ParameterServerScheme
 
 if TYPE_CHECKING:
     from lightning_oscars.strategy import OscarsStrategy
@@ -53,6 +54,14 @@ class RoundDriver:
         self.loader: LoadBalancedLoader | None = None
         self.restored: dict[str, Any] | None = None
         self.step_values = StepValueAgreement()
+        if isinstance(scheme, ParameterServerScheme):
+            if scheme.max_lead is not None:  # BSP: equal steps; SSP, DSSP: at most the bound and one more
+                rounds.step_spread = scheme.max_lead + (0 if scheme.lockstep else 1)
+            if scheme.lockstep and rounds.pacer is not None:
+                # A lockstep round ends for everybody at the first rank that takes no further step
+                # (server_scheme.py): real steps packed at the round's start keep "no further step" from meaning
+                # "a no-op slot in between".
+                rounds.pacer.packed = True
 
     def slot_is_real(self) -> bool:
         return self.rounds.slot.real
@@ -79,6 +88,8 @@ class RoundDriver:
         loader.max_slots = self.rounds.epoch_slot_bound(loader.total_units)
         loader.pacer = self.rounds.pacer
         loader.warmup_gate = self.rounds.warmup_gate
+        if isinstance(self.scheme, ParameterServerScheme):
+            self.scheme.round_steps = loader  # the server closes this loader's rounds
         self.loader = loader
         self.rounds.forget_plan()
 

@@ -15,7 +15,9 @@ restarts its iterator, so ``persistent_workers=True`` keeps the worker processes
 
 In a deadline round (``deadline.py``) the rank's real slots are not planned: as Lightning fetches each slot the
 loader asks its :class:`~lightning_oscars.deadline.DeadlinePacer` whether the next step still fits before the
-round's deadline, and hands out the rank's reserved units in order while it does.
+round's deadline, and hands out the rank's reserved units in order while it does. A lockstep scheme (BSP) may close
+the running deadline round (:meth:`LoadBalancedLoader.close_round`): its remaining slots become no-ops, the real
+ones already fetched included, and the units they held count as not reached.
 """
 
 from __future__ import annotations
@@ -61,12 +63,14 @@ _CARRIED = (
 
 @dataclass(frozen=True)
 class SlotInfo:
-    """What one yielded batch is: a real step or a no-op, how many samples it holds, and the seconds spent
-    fetching it (``None`` when that time is not a step's: the first batch after worker start-up)."""
+    """What one yielded batch is: a real step or a no-op, how many samples it holds, the seconds spent
+    fetching it (``None`` when that time is not a step's: the first batch after worker start-up), and the first slot
+    of the round it belongs to (-1: before the epoch's plan)."""
 
     real: bool
     samples: int
     fetch_seconds: float | None = 0.0
+    round_slot: int = -1
 
 
 def empty_batch(batch: Any) -> Any:
@@ -158,6 +162,8 @@ class LoadBalancedLoader:
         # on_before_batch_transfer hook sees it unwrapped); Lightning prefetches, so the strategy takes the
         # info of the batch it is about to run with take_slot(), which may lag the last yield by a batch.
         self._slots: deque[SlotInfo] = deque()
+        self._running = SlotInfo(False, 0)  # the slot taken last: the one Lightning runs now
+        self._iterator: _EpochIterator | None = None  # the epoch being fetched
 
     def set_batches_per_slot(self, batches_per_slot: int) -> None:
         """Units of ``batches_per_slot`` batches (``accumulate_grad_batches``, which a callback may change
@@ -203,7 +209,26 @@ class LoadBalancedLoader:
 
     def take_slot(self) -> SlotInfo:
         """What the oldest batch yielded and not yet taken is: called once per batch as it starts its step."""
-        return self._slots.popleft()
+        self._running = self._slots.popleft()
+        return self._running
+
+    def continues_round(self) -> bool:
+        """Whether the next slot, already fetched, is a real step of the round of the slot running now (Lightning
+        fetches one batch ahead; ``False`` when nothing is fetched yet)."""
+        running = self._running.round_slot
+        return any(info.real and info.round_slot == running for info in self._slots)
+
+    def close_round(self) -> None:
+        """Take no further real step in the deadline round of the slot running now: its slots fetched but not run
+        become no-ops, and so does every later slot of it; the units they held count as not reached, so settling
+        the round hands them back to the epoch. A plain round (its units are not handed back) is left as planned."""
+        iterator, plan, running = self._iterator, self.plan, self._running.round_slot
+        if iterator is None or plan is None or not 0 <= running < plan.total_slots:
+            return
+        rnd = plan.round_at(running)
+        if not rnd.deadline or rnd.start_slot != running:
+            return
+        self._slots = iterator.close_round(running, self._slots)
 
     def start_epoch(self, plan: EpochPlan, epoch: int, order: Sequence[int] | None, start_position: int = 0) -> None:
         """Hand the loader an epoch: its plan, its order of samples (``None``: draw it here) and the Lightning
@@ -232,7 +257,8 @@ class LoadBalancedLoader:
         return next(iter(DataLoader(self.dataset, batch_sampler=[list(indices)], **kwargs)))
 
     def __iter__(self) -> Iterator[Any]:
-        return _EpochIterator(self)
+        self._iterator = _EpochIterator(self)
+        return self._iterator
 
 
 class _EpochIterator:
@@ -250,7 +276,26 @@ class _EpochIterator:
         self._round_slot = -1
         self._taken = 0
         self._slot_unit: int | None = None
+        self._closed_round = -1  # a deadline round closed by a lockstep scheme (its first slot): no-ops from here
         owner._slots.clear()
+
+    def close_round(self, round_slot: int, pending: deque[SlotInfo]) -> deque[SlotInfo]:
+        """Close the deadline round starting at ``round_slot`` (see :meth:`LoadBalancedLoader.close_round`):
+        ``pending`` (the infos yielded and not taken, the last of them at :attr:`position` - 1) with that round's
+        real slots made no-ops, whose units are given back to the round's count of units handed out."""
+        self._closed_round = round_slot
+        bps = self.owner.batches_per_slot
+        kept: deque[SlotInfo] = deque()
+        first = self.position - len(pending)
+        for k, info in enumerate(pending):
+            if info.real and info.round_slot == round_slot:
+                if (first + k) % bps == 0 and self._round_slot == round_slot:
+                    self._taken -= 1  # the slot's unit was handed out at its first batch
+                info = SlotInfo(False, 0, 0.0, round_slot)
+            kept.append(info)
+        if self._round_slot == round_slot:
+            self._slot_unit = None  # the rest of a slot whose first batch was fetched is a no-op too
+        return kept
 
     def _indices(self, batch: int) -> list[int]:
         b = self.owner.batch_size
@@ -296,8 +341,10 @@ class _EpochIterator:
             reserved = rnd.quotas[owner.rank]
             pending = sum(1 for info in owner._slots if info.real)
             pacer: DeadlinePacer | WarmupGate | None = owner.warmup_gate if rnd.warmup else owner.pacer
-            due = self._taken < reserved and (
-                pacer is None or pacer.is_due(slot - rnd.start_slot, rnd.length, self._taken, reserved, pending)
+            due = (
+                self._closed_round != rnd.start_slot
+                and self._taken < reserved
+                and (pacer is None or pacer.is_due(slot - rnd.start_slot, rnd.length, self._taken, reserved, pending))
             )
             self._slot_unit = plan.reserved_units(owner.rank, rnd)[self._taken] if due else None
             self._taken += int(due)
@@ -373,6 +420,8 @@ class _EpochIterator:
         rnd = plan.round_at(slot) if plan is not None and slot < plan.total_slots else None
         if rnd is not None and rnd.start_slot != self._round_slot and self.position % owner.batches_per_slot == 0:
             self._enter_round(rnd, slot)
+        # Before the plan, only the epoch's first slot is fetched (see _batch_at): the first round's.
+        round_slot = rnd.start_slot if rnd is not None else (0 if plan is None else -1)
         if rnd is not None and rnd.deadline:
             batch = self._deadline_batch(self.position, rnd)
         else:
@@ -390,11 +439,11 @@ class _EpochIterator:
                 # counters), so build the empty batch from a real batch of this rank's data, fetched once.
                 self.last_batch = owner.fetch_one(self._indices(min(owner.rank, owner.num_batches - 1)))
             item = empty_batch(self.last_batch)
-            info = SlotInfo(False, 0, 0.0)
+            info = SlotInfo(False, 0, 0.0, round_slot)
         else:
             indices = self._indices(batch)
             item, seconds = self._real_batch(indices)
-            info = SlotInfo(True, len(indices), seconds)
+            info = SlotInfo(True, len(indices), seconds, round_slot)
             self.last_batch = item
         self.position += 1
         owner._slots.append(info)

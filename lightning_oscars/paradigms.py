@@ -38,6 +38,34 @@ __all__ = [
 ]
 
 
+# Options of ``oscars`` that a step-synchronised paradigm cannot serve, and why. Passed to a paradigm they would reach
+# ``OscarsStrategy`` through ``**kwargs`` and be ignored there (the paradigm's scheme replaces the one they configure)
+# or break the paradigm's rounds: each is refused when the strategy is built, naming it.
+_NOT_SERVED = {
+    "overlap_averaging": "a paradigm combines the models after every step and meets at every round's end at once",
+    "outer_lr": "a paradigm's round ends with its own combination (the server's state, or the global average), not"
+    " an outer Nesterov step",
+    "outer_momentum": "it configures outer_lr's outer step, which a paradigm does not take",
+    "deadline_rounds": "a paradigm always runs on deadline rounds",
+}
+# Options the parameter-server paradigms cannot serve on top of those.
+_NOT_SERVED_ON_THE_SERVER = {
+    "local_steps": "pinned local steps make every round a plain one, whose steps are fixed in advance: a rank the"
+    " staleness rule must stop early would lose its data, so BSP's equal steps and the bounds of SSP and DSSP could"
+    " not hold. Pin step_times instead (deadline rounds sized from them)",
+}
+
+
+def refuse_options(strategy_name: str, options: dict[str, Any], not_served: dict[str, str]) -> None:
+    """Raise ``ValueError`` naming the first of ``options`` that ``strategy_name`` cannot serve (see ``not_served``)."""
+    for name, why in not_served.items():
+        if name in options:
+            raise ValueError(
+                f"strategy={strategy_name!r} does not take {name}={options[name]!r}: {why}. Leave it out, or use"
+                " strategy='oscars' for it."
+            )
+
+
 class StepSyncStrategy(OscarsStrategy):
     """A strategy that synchronises after every step (see the module docstring); subclasses make the scheme.
 
@@ -52,6 +80,7 @@ class StepSyncStrategy(OscarsStrategy):
     """
 
     strategy_name = "step_sync"
+    not_served = _NOT_SERVED  # options of oscars refused, with why
 
     def __init__(
         self,
@@ -70,6 +99,7 @@ class StepSyncStrategy(OscarsStrategy):
         precision_plugin: Precision | None = None,
         **ddp_wrapper_kwargs: Any,
     ) -> None:
+        refuse_options(self.strategy_name, ddp_wrapper_kwargs, self.not_served)
         self.validate()  # the paradigm's options, before anything is built
         super().__init__(
             warmup_steps=warmup_steps,
@@ -103,6 +133,7 @@ class ParameterServerStrategy(StepSyncStrategy):
     :class:`StepSyncStrategy`'s."""
 
     strategy_name = "parameter_server"
+    not_served = {**_NOT_SERVED, **_NOT_SERVED_ON_THE_SERVER}
 
     def validate(self) -> None:
         self.make_rule()

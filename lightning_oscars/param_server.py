@@ -33,8 +33,11 @@ Rounds (the strategies meet at every round's end, ``server_scheme.py``): a worke
 collective. Every shard counts each worker's ended rounds, and clocks count pushes within a round, so the rule
 compares a worker with the others *in its own round*: one that has not pushed in it yet counts at clock 0 (its
 END_ROUND may still be on the way: everybody who passed the collective starts the round from the same base, so the
-bound holds from the round's first step); one that already ended it holds nobody back for the rest of it (else the
-waiting worker would wait for a push that comes only after the collective it cannot reach). A round starts from one
+bound holds from the round's first step); one that already ended it counts at the clock it ended it at, and a worker
+the rule would hold back only for such workers is answered at once with a *closed* grant (it takes no further step
+in the round: the push it would wait for comes only after the collective it must reach). Under a lockstep rule (BSP)
+a round is also closed for everybody at the clock where one worker takes no further step (each push says whether it
+does), so that every worker takes the same steps. A round starts from one
 server state for every rank: a worker's pull before its first push of a round returns the shard as it stood before
 anybody's push of that round (:meth:`Shard.round_start`), however late the worker comes out of the collective.
 """
@@ -55,10 +58,11 @@ from lightning_oscars.staleness import StalenessRule, WorkerTimes
 
 __all__ = ["ParameterServer", "Shard", "shard_bounds"]
 
-# Header of every request: operation, worker rank, the worker's clock after the push, its busy seconds, and the
-# rule's decision for the worker (``StalenessRule.decision``, zero-padded).
+# Header of every request: operation, worker rank, the worker's clock after the push, its busy seconds, whether it
+# takes another step in its round (1 or 0), and the rule's decision for the worker (``StalenessRule.decision``,
+# zero-padded).
 _DECISION = 2
-_HEADER = 4 + _DECISION
+_HEADER = 5 + _DECISION
 _PUSH, _PULL, _STOP, _END_ROUND = 1.0, 2.0, 3.0, 4.0
 
 
@@ -95,6 +99,7 @@ class Shard:
         self.rule = rule
         self.clocks = [0] * world_size  # pushes within the worker's current round
         self.rounds = [0] * world_size  # rounds every worker ended (its END_ROUNDs this shard has seen)
+        self.final = [0] * world_size  # every worker's clock when it ended its last round
         self.times = WorkerTimes(world_size)
         self.stopped: set[int] = set()
         # At every grant, the lead of the worker within its round: its pushes minus the fewest of any worker that
@@ -105,6 +110,17 @@ class Shard:
         self._changed = threading.Condition()
         # The shard as it stood before the first push of a round (round, values): what a round starts from.
         self._round_start: tuple[int, Tensor] | None = None
+        # Lockstep rules (BSP): whether each worker said, at its last push, that it takes another step in its round;
+        # and whether the round was *closed* for each worker at its last grant (somebody takes no further step in
+        # it, so nobody may: see :meth:`closing`).
+        self.more = [True] * world_size
+        self.closed = [False] * world_size
+        # Lockstep rules: the workers that pushed and wait for a grant, and the grants (values, closed) taken the
+        # moment the rule let each start. Taken then, not when the worker is woken: a peer released at the same
+        # clock may push its next step (or end its round) before this worker's thread runs, and BSP's iteration
+        # starts from exactly the clock's parameters.
+        self._asking: set[int] = set()
+        self._ready: dict[int, tuple[Tensor, bool]] = {}
 
     def view(self, worker: int) -> tuple[list[int], frozenset[int]]:
         """The clocks as ``worker``'s round sees them, and the workers exempt from holding it back (a stopped one,
@@ -116,12 +132,28 @@ class Shard:
             exempt = frozenset(w for w, r in enumerate(self.rounds) if w != worker and (w in self.stopped or r > own))
             return clocks, exempt
 
+    def bounded_view(self, worker: int) -> tuple[list[int], frozenset[int]]:
+        """As :meth:`view`, but a worker that ended ``worker``'s round counts at the clock it ended it at: the bound
+        still holds against the steps it took. Only a stopped worker is exempt."""
+        with self._changed:
+            own = self.rounds[worker]
+            clocks = [c if r == own else (f if r > own else 0) for c, r, f in zip(self.clocks, self.rounds, self.final)]
+            exempt = frozenset(w for w in self.stopped if w != worker)
+            return clocks, exempt
+
     def push(
-        self, worker: int, delta: Tensor, clock: int, busy_s: float, decided: Sequence[float] | None = None
+        self,
+        worker: int,
+        delta: Tensor,
+        clock: int,
+        busy_s: float,
+        decided: Sequence[float] | None = None,
+        more: bool = True,
     ) -> tuple[float, ...]:
         """Apply ``worker``'s update; ``clock`` is the number of updates it has pushed, this one included.
         ``decided``: the rule's decision for ``worker`` from its own shard, adopted here; ``None`` on the worker's own
-        shard, which decides it. Returns the decision (to carry to the other shards)."""
+        shard, which decides it. ``more``: the worker takes another step in its round if allowed (its next step is
+        already fetched). Returns the decision (to carry to the other shards)."""
         with self._changed:
             this_round = self.rounds[worker]
             if self._round_start is None or self._round_start[0] < this_round:
@@ -129,6 +161,7 @@ class Shard:
             if delta.numel():
                 self.values.add_(delta, alpha=1.0 / self.world_size)
             self.clocks[worker] = clock
+            self.more[worker] = bool(more)
             now = self._now()
             self.times.pushed(worker, now, busy_s)
             if decided is None or not self.rule.decision_size:
@@ -136,21 +169,53 @@ class Shard:
                 self.rule.pushed(worker, clocks, self.times, now, exempt)
             else:
                 self.rule.adopt(worker, decided, now)
+            if self.rule.lockstep:
+                self._ready.pop(worker, None)
+                self._asking.add(worker)
+                self._take_ready()
             self._changed.notify_all()
             return self.rule.decision(worker)
 
     def stop(self, worker: int) -> None:
         with self._changed:
             self.stopped.add(worker)
+            self._take_ready()
             self._changed.notify_all()
+
+    def closing(self, worker: int) -> bool:
+        """Whether ``worker``'s round is closed at its clock (it may take no further step in it). Under any rule: when
+        only peers that already ended the round hold it back (they push no more in it, and it must not wait for them
+        past its bound). Under a lockstep rule also: it, or a peer at the same clock, takes no further step in the
+        round, or a peer already ended the round (or stopped). Every worker granted at a clock gets the same answer
+        (BSP grants once every peer pushed that clock), so all take the same steps."""
+        with self._changed:
+            if not self._allowed(worker):
+                return True
+            if not self.rule.lockstep:
+                return False
+            clocks, exempt = self.view(worker)
+            if not self.more[worker] or exempt:
+                return True
+            return any(not self.more[w] and clocks[w] == clocks[worker] for w in range(self.world_size) if w != worker)
+
+    def _take_ready(self) -> None:
+        """Lockstep rules: take the grant of every asking worker the rule now lets start (call on every change)."""
+        if not self.rule.lockstep:
+            return
+        for worker in sorted(self._asking - self._ready.keys()):
+            if self._allowed(worker) or self._released(worker):
+                self._ready[worker] = (self.values.clone(), self.closing(worker))
 
     def end_round(self, worker: int) -> None:
         """``worker`` ended its round (it is about to meet the others): it holds nobody back for the rest of that
         round, and it starts the next one at clock 0, counted from the start (its next push is clock 1)."""
         with self._changed:
             self.rounds[worker] += 1
+            self.final[worker] = self.clocks[worker]
             self.clocks[worker] = 0
+            self.more[worker] = True
             self.rule.restart(worker)
+            self._take_ready()
             self._changed.notify_all()
 
     def round_start(self, worker: int) -> Tensor:
@@ -174,35 +239,53 @@ class Shard:
     def may_start(self, worker: int, first: bool = False) -> bool:
         """Whether ``worker`` may start its next iteration (``first``: the first time this push asks)."""
         with self._changed:
-            allowed = self._allowed(worker)
+            allowed = self._may(worker)
             self.held += first and not allowed
             return allowed
 
+    def _may(self, worker: int) -> bool:
+        return worker in self._ready or self._allowed(worker) or self._released(worker)
+
     def _allowed(self, worker: int) -> bool:
+        """The rule lets ``worker`` start its next iteration, counting a peer that ended the round at its last clock."""
+        clocks, exempt = self.bounded_view(worker)
+        return self.rule.may_start(worker, clocks, self.times, self._now(), exempt)
+
+    def _released(self, worker: int) -> bool:
+        """Only peers that ended ``worker``'s round hold it back: it gets a reply (it must reach the round's collective
+        too), but a closed one (:meth:`closing`): it takes no further step in the round."""
         clocks, exempt = self.view(worker)
         return self.rule.may_start(worker, clocks, self.times, self._now(), exempt)
 
     def lead(self, worker: int) -> int:
-        """How many more pushes ``worker`` made in its round than the fewest of those who still hold it back (0
-        when it leads nobody: behind everybody, it misses none of their updates)."""
+        """How many more pushes ``worker`` made in its round than the fewest of any other worker's in it (one that
+        ended the round at its last clock; 0 when it leads nobody: behind everybody, it misses none of their
+        updates)."""
         with self._changed:
-            clocks, exempt = self.view(worker)
+            clocks, exempt = self.bounded_view(worker)
             others = [c for w, c in enumerate(clocks) if w != worker and w not in exempt]
             return max(0, clocks[worker] - min(others)) if others else 0
 
     def grant(self, worker: int) -> Tensor:
-        """The parameters ``worker`` starts its next iteration from (call once :meth:`may_start` said so)."""
+        """The parameters ``worker`` starts its next iteration from (call once :meth:`may_start` said so); under a
+        lockstep rule, :attr:`closed` says whether its round was closed then."""
         with self._changed:
-            self.staleness.append(self.lead(worker))
-            return self.values.clone()
+            self._asking.discard(worker)
+            ready = self._ready.pop(worker, None)
+            if ready is None:
+                ready = (self.values.clone(), self.closing(worker))
+            values, self.closed[worker] = ready
+            if not self.closed[worker]:  # a closed grant starts no iteration
+                self.staleness.append(self.lead(worker))
+            return values
 
     def wait(self, worker: int, timeout_s: float, peer_failure: Callable[[], str | None] | None = None) -> Tensor:
         """Block until ``worker`` may start, then :meth:`grant` (the local worker's path). ``peer_failure`` is asked
         every second while waiting: a reason it returns (a peer reported an error) ends the wait."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
-            self.held += not self._allowed(worker)
-            while not self._allowed(worker):
+            self.held += not self._may(worker)
+            while not self._may(worker):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     waiting = [w for w in range(self.world_size) if w != worker and w not in self.stopped]
@@ -248,6 +331,7 @@ class ParameterServer:
         self.timeout_s = float(timeout_s)
         self.clock = 0
         self.waited_s = 0.0
+        self.round_closed = False  # at the last push_pull, under a lockstep rule (see push_pull)
         self._closed = False
         self._error: BaseException | None = None
         self._pending: list[int] = []  # remote workers whose reply from this shard waits for the rule
@@ -275,8 +359,9 @@ class ParameterServer:
                     running -= 1
                     self.shard.stop(worker)
                 elif op == _PUSH:
-                    decided = buffer[4 : 4 + self.shard.rule.decision_size].tolist()
-                    self.shard.push(worker, buffer[_HEADER:], int(buffer[2]), float(buffer[3]), decided)
+                    decided = buffer[5 : 5 + self.shard.rule.decision_size].tolist()
+                    more = bool(buffer[4] > 0.5)
+                    self.shard.push(worker, buffer[_HEADER:], int(buffer[2]), float(buffer[3]), decided, more)
                     self.shard.may_start(worker, first=True)  # counts a held reply
                     with self._replying:
                         self._pending.append(worker)
@@ -304,7 +389,7 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ the worker
 
-    def _round_trip(self, op: float, payload: Tensor | None, busy_s: float) -> Tensor:
+    def _round_trip(self, op: float, payload: Tensor | None, busy_s: float, more: bool = True) -> Tensor:
         """Send ``op`` to every remote shard (with its slice of ``payload``), handle the own shard, gather replies."""
         out = torch.empty(self.numel, dtype=torch.float32)
         receives = []
@@ -316,11 +401,14 @@ class ParameterServer:
         decision: tuple[float, ...] = ()
         if op == _PUSH:  # the own shard first: it decides the rule's state for this worker, the push carries it
             assert payload is not None
-            decision = self.shard.push(self.rank, payload[start:end], self.clock, busy_s)
-        sends = self._send_to_servers(op, payload, busy_s, decision)
+            decision = self.shard.push(self.rank, payload[start:end], self.clock, busy_s, more=more)
+        sends = self._send_to_servers(op, payload, busy_s, decision, more)
         if op == _PUSH:
             self._answer()
             out[start:end] = self.shard.wait(self.rank, self.timeout_s, self.peer_failure)
+            # The own shard saw every push of this clock (or a peer's end of the round) before it granted: its word
+            # on the round's closing is everybody's.
+            self.round_closed = self.shard.closed[self.rank]
         else:
             out[start:end] = self.shard.round_start(self.rank)
         timeout = timedelta(seconds=self.timeout_s)
@@ -332,7 +420,7 @@ class ParameterServer:
         return out
 
     def _send_to_servers(
-        self, op: float, payload: Tensor | None, busy_s: float, decision: Sequence[float] = ()
+        self, op: float, payload: Tensor | None, busy_s: float, decision: Sequence[float] = (), more: bool = True
     ) -> list[tuple[int, Any, Tensor]]:
         """Start sending ``op`` to every remote server, with its shard's slice of ``payload`` (zeros without one) and
         the rule's ``decision`` for this worker: ``(server, work, message)``, the message kept alive until its send
@@ -344,7 +432,7 @@ class ParameterServer:
             if server == self.rank:
                 continue
             message = torch.zeros(_HEADER + end - start, dtype=torch.float32)
-            message[: 4 + len(decision)] = torch.tensor([op, self.rank, self.clock, busy_s, *decision])
+            message[: 5 + len(decision)] = torch.tensor([op, self.rank, self.clock, busy_s, float(more), *decision])
             if payload is not None:
                 message[_HEADER:] = payload[start:end]
             sends.append((server, dist.isend(message, dst=server, group=self._requests), message))
@@ -362,15 +450,17 @@ class ParameterServer:
                 f" {timeout.total_seconds():.0f} s (that rank died, hung or stopped serving): {error}"
             ) from error
 
-    def push_pull(self, delta: Tensor, busy_s: float = 0.0) -> Tensor:
+    def push_pull(self, delta: Tensor, busy_s: float = 0.0, more: bool = True) -> Tensor:
         """Push this worker's update ``delta`` (flat, like the parameters) and return the flat parameters to start
-        the next iteration from, once the rule allows. ``busy_s``: the iteration's compute time (the rules' timing)."""
+        the next iteration from, once the rule allows. ``busy_s``: the iteration's compute time (the rules' timing).
+        ``more``: this worker takes another step in its round if allowed. Under a lockstep rule :attr:`round_closed`
+        then says whether it may: ``False`` once any worker takes no further step in the round."""
         if self._closed:
             raise RuntimeError("the parameter server is closed")
         if delta.numel() != self.numel:
             raise ValueError(f"the update has {delta.numel()} elements, the parameters {self.numel}")
         self.clock += 1
-        return self._round_trip(_PUSH, delta.detach().to("cpu", torch.float32).reshape(-1), busy_s)
+        return self._round_trip(_PUSH, delta.detach().to("cpu", torch.float32).reshape(-1), busy_s, more)
 
     def pull(self) -> Tensor:
         """The parameters to continue from, without pushing or waiting: right after :meth:`end_round` (before this

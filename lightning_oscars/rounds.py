@@ -156,6 +156,11 @@ class RoundController:
         self.jitter = [0.0] * world_size  # every rank's smoothed step log-spread, agreed (deadline rounds)
         self.deadline_round: DeadlineRound | None = None
         self._deadline_key: tuple | None = None
+        # The most local steps a rank may take beyond the fewest (``None``: any). A scheme whose rule bounds the
+        # lead sets it (0 under BSP: one step per clock for everybody), so that no round's plan gives a rank steps
+        # it could only take by running past the bound; in a plain round (the warm-up, an epoch's tail) the
+        # quotas are all the rank trains, not handed back.
+        self.step_spread: int | None = None
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -186,7 +191,12 @@ class RoundController:
 
     @property
     def local_steps(self) -> tuple[int, ...]:
-        return self.policy.local_steps
+        """The schedule's local steps, within :attr:`step_spread` of the fewest."""
+        steps = self.policy.local_steps
+        if self.step_spread is None or not steps:
+            return steps
+        most = min(steps) + self.step_spread
+        return tuple(min(t, most) for t in steps)
 
     def _update_deadline(self) -> DeadlineRound | None:
         """The deadline rounds' parameters (``None``: plain rounds), re-planned when the schedule, a step time (by

@@ -9,13 +9,21 @@ then holds nobody back, so a rank waiting on it is released and reaches the coll
 carries the control data and averages what the server does not hold (buffers, averaged copies), then every rank
 loads the server's parameters: validation, checkpoints and the end of fit see one model. Clocks restart at every
 round's end, where everybody has met.
+
+Under a lockstep rule (BSP) every worker takes exactly one step per clock, so within a round every rank takes the
+same number of steps and, with SGD, the trajectory is ddp's. A rank's steps in a deadline round are decided by its
+own clock, so the ranks agree through the server: every push says whether the rank takes another step in the round
+(its next slot is already fetched: :meth:`RoundSteps.continues_round`), and a grant says whether the round is
+*closed* (some rank takes no further step, or ended the round). A closed round's remaining slots become no-op slots
+on every rank (:meth:`RoundSteps.close_round`; the data they did not reach goes back to the epoch, as a deadline
+round hands back what its ranks did not reach).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,6 +37,18 @@ from lightning_oscars.schemes import ModelAveraging
 from lightning_oscars.staleness import StalenessRule
 
 __all__ = ["ParameterServerScheme"]
+
+
+class RoundSteps(Protocol):
+    """What a lockstep scheme asks of the rank's loader (``LoadBalancedLoader`` provides it)."""
+
+    def continues_round(self) -> bool:
+        """Whether this rank's next step (already fetched) is a real step of the round now running."""
+        ...
+
+    def close_round(self) -> None:
+        """Take no further real step in the round now running: its fetched and future slots become no-ops."""
+        ...
 
 
 def _first_error(board: FailureBoard) -> str | None:
@@ -58,11 +78,18 @@ class ParameterServerScheme(ModelAveraging):
     ) -> None:
         super().__init__(policy, device)
         self.make_rule = make_rule
+        # Every rank takes one step per clock (BSP): the driver packs a round's real steps at its start and lets the
+        # server close rounds (see the module docstring).
+        rule = make_rule()
+        self.lockstep = bool(rule.lockstep)
+        self.max_lead = rule.max_lead  # the rule's bound on any worker's lead (``None``: unbounded)
         self.timeout_s = timeout_s
         self.server: ParameterServer | None = None
         self._params: list[Tensor] = []
         self._base: Tensor | None = None  # the flat parameters this rank last received
         self._since = time.perf_counter()
+        # The loader whose rounds a lockstep rule closes (set by the driver); ``None``: every push says "more".
+        self.round_steps: RoundSteps | None = None
         # The last fit's server figures, kept after it stopped: the staleness of every grant of this rank's shard,
         # the replies it held back, this worker's seconds in round trips, and the rule's state switches (DASP).
         self.report: dict[str, Any] = {}
@@ -89,7 +116,14 @@ class ParameterServerScheme(ModelAveraging):
         if self.server is None or self._base is None:
             return
         busy = time.perf_counter() - self._since
-        self._load(self.server.push_pull(flat_copy(self._params) - self._base, busy_s=busy))
+        delta = flat_copy(self._params) - self._base
+        steps = self.round_steps
+        if steps is None:
+            self._load(self.server.push_pull(delta, busy_s=busy))
+        else:
+            self._load(self.server.push_pull(delta, busy_s=busy, more=steps.continues_round()))
+            if self.server.round_closed:
+                steps.close_round()
         self._since = time.perf_counter()
 
     def synchronize(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:

@@ -84,6 +84,13 @@ class StalenessRule:
     """
 
     name = "rule"
+    # Every worker takes exactly one step per clock (BSP): a round ends at the same clock for everybody, so once one
+    # worker takes no further step in a round, nobody does (``Shard``'s round closing).
+    lockstep = False
+    # The most iterations a worker may lead any other by (``None``: unbounded): a round's schedule gives no rank more
+    # steps than the fewest plus this bound and one, which it could not take without waiting for a peer that ended
+    # the round.
+    max_lead: int | None = None
 
     def required_clock(
         self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
@@ -132,6 +139,8 @@ class StalenessRule:
 
 class BSP(StalenessRule):
     name = "bsp"
+    lockstep = True
+    max_lead = 0
 
     def required_clock(
         self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
@@ -155,6 +164,7 @@ class SSP(StalenessRule):
 
     def __init__(self, staleness: int = 3) -> None:
         self.staleness = _count("staleness", staleness, 0)
+        self.max_lead = self.staleness
 
     def required_clock(
         self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
@@ -170,6 +180,7 @@ class DSSP(StalenessRule):
     def __init__(self, s_low: int = 3, s_range: int = 12) -> None:
         self.s_low = _count("s_low", s_low, 0)
         self.s_range = _count("s_range", s_range, 0)
+        self.max_lead = self.s_low + self.s_range
         self.granted: dict[int, int] = {}  # worker -> the slowest clock its grant was given at, and its threshold
         self._threshold: dict[int, int] = {}
 

@@ -5,8 +5,9 @@ one: a worker steps while its next step fits before the round's deadline, pushes
 the rule's grant; at the deadline it ends its round (END_ROUND) and waits for the meeting; after the meeting every
 worker pulls the round's start, the slow one late. The model has one coordinate per worker and every push adds 1 to
 its own worker's coordinate, so a grant's parameters tell how many of the other's pushes the worker has seen:
-its *lead* is its own pushes in the round minus the other's pushes it has seen (measured while the other is still
-in the round: one that ended it holds nobody back for the rest of it).
+its *lead* is its own pushes in the round minus the other's pushes it has seen, over the whole round: one that ended
+the round still bounds the other by the steps it took, and a worker the bound would hold for it gets a *closed*
+grant (``Shard.closed``): it takes no further step and ends its round too.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ SLOW_PULL_DELAY_S = 3.0
 
 @dataclass
 class Run:
-    leads: list[int | None] = field(default_factory=list)  # per grant, in order; None: the other had ended the round
+    leads: list[int] = field(default_factory=list)  # per open grant (one that starts an iteration), in order
     starts: list[dict[int, list[float]]] = field(default_factory=list)  # per round: every worker's start state
     pushes: list[dict[int, int]] = field(default_factory=list)  # per round: every worker's pushes
     shard: Shard | None = None
@@ -62,9 +63,13 @@ def drive(rule: StalenessRule) -> Run:
     def grant(worker: int, deadline: float) -> None:
         other = 1 - worker
         seen = shard.grant(worker)
+        if shard.closed[worker]:  # the bound holds it for a worker that ended the round: no further step in it
+            shard.end_round(worker)
+            ended.add(worker)
+            return
         other_seen = round(float(seen[other] - start_of_round[worker][other]))
         # Behind the other, a worker misses none of its updates: a lead of 0, not negative.
-        run.leads.append(None if other in ended else max(0, clock[worker] - other_seen))
+        run.leads.append(max(0, clock[worker] - other_seen))
         begin_step(worker, deadline)
 
     def start_round(worker: int) -> None:
@@ -114,11 +119,10 @@ def drive(rule: StalenessRule) -> Run:
 def test_the_lead_is_bounded_from_every_rounds_start(make_rule: Callable[[], StalenessRule], bound: int) -> None:
     run = drive(make_rule())
     assert len(run.pushes) >= 4 and all(p[SLOW] >= 1 for p in run.pushes), "every round has steps of both"
-    in_round = [lead for lead in run.leads if lead is not None]
-    assert max(in_round) == bound, "the bound is reached and never exceeded, counted from every round's start"
-    # What the server reports is the same lead (0 once the other ended the round: nobody holds the worker back).
+    assert max(run.leads) == bound, "the bound is reached and never exceeded, counted from every round's start"
+    # What the server reports is the same lead, at every grant that starts an iteration.
     assert run.shard is not None
-    assert run.shard.staleness == [lead or 0 for lead in run.leads]
+    assert run.shard.staleness == run.leads
 
 
 def test_every_worker_starts_a_round_from_the_meetings_state() -> None:

@@ -1,0 +1,37 @@
+"""An option of ``oscars`` that a paradigm cannot serve is refused when the strategy is built, naming the option and
+the way out, instead of being ignored (the paradigm's scheme replaces the one it configures) or breaking a round."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_oscars.paradigms import PARADIGMS
+
+SERVER = ("bsp", "asp", "ssp", "dssp", "dasp")
+REFUSED_EVERYWHERE = {
+    "overlap_averaging": True,
+    "outer_lr": 0.7,
+    "outer_momentum": 0.5,
+    "deadline_rounds": False,
+}
+
+
+@pytest.mark.parametrize("option", sorted(REFUSED_EVERYWHERE))
+@pytest.mark.parametrize("paradigm", [*SERVER, "ripples"])
+def test_an_option_no_paradigm_serves_is_refused_naming_it(paradigm: str, option: str) -> None:
+    strategy_class = PARADIGMS[paradigm][0]
+    with pytest.raises(ValueError, match=rf"strategy='{paradigm}' does not take {option}=.*strategy='oscars'"):
+        strategy_class(**{option: REFUSED_EVERYWHERE[option]})
+
+
+@pytest.mark.parametrize("paradigm", SERVER)
+def test_pinned_local_steps_are_refused_on_the_server_and_step_times_suggested(paradigm: str) -> None:
+    with pytest.raises(ValueError, match=rf"strategy='{paradigm}' does not take local_steps=.*Pin step_times"):
+        PARADIGMS[paradigm][0](local_steps=(4, 1))
+    PARADIGMS[paradigm][0](step_times=(0.01, 0.03))  # deadline rounds sized from them: served
+
+
+def test_options_the_paradigms_serve_are_still_taken() -> None:
+    PARADIGMS["ripples"][0](local_steps=(4, 1))  # ripples does not wait on anybody: plain rounds serve it
+    PARADIGMS["bsp"][0](average_optimizer_state=True, warmup_steps=2, max_local_steps=8)
+    PARADIGMS["ssp"][0](staleness=2, solver="alg1", averaging="samples")
