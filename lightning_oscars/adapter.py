@@ -40,7 +40,6 @@ def check_lightning_version() -> None:
 
 check_lightning_version()
 
-import atexit  # noqa: E402
 import inspect  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
@@ -68,8 +67,6 @@ from lightning_oscars.partition import validations_after_resize  # noqa: E402
 __all__ = [
     "LightningAdapter",
     "check_lightning_version",
-    "default_store",
-    "destroy_gloo_group_at_exit",
     "unwrap_sampler",
 ]
 
@@ -441,6 +438,12 @@ class LightningAdapter:
         )
 
     @staticmethod
+    def collective_timeout_s(strategy: Any, default: float) -> float:
+        """The collective timeout a ``DDPStrategy`` was built with (its private ``_timeout``), in seconds."""
+        timeout = getattr(strategy, "_timeout", None)
+        return timeout.total_seconds() if timeout is not None else default
+
+    @staticmethod
     def sync_module_states(module: torch.nn.Module) -> None:
         """Start every rank from rank 0's parameters and buffers (what the DDP wrapper would do)."""
         _sync_module_states(module)
@@ -453,36 +456,5 @@ def unwrap_sampler(sampler: object) -> object:
     return sampler
 
 
-def default_store() -> Any:
-    """The rendezvous store of torch.distributed's default group (raises without one)."""
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
-
-
 def _skip(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-_EXIT_HANDLER_REGISTERED = False
-
-
-def destroy_gloo_group_at_exit() -> None:
-    """Destroy a gloo default process group when the interpreter exits, while it is still fully alive.
-
-    Left to interpreter finalisation, gloo's worker threads can still hold finished work whose tensors need the
-    GIL, and the process aborts ("terminate called without an active exception", exit code 134) after training
-    succeeded; seen under ddp and oscars alike in about one run in three. Destroying is local for gloo (no
-    collective), so it cannot hang on a peer that already left. NCCL groups are left to the user and Lightning.
-    """
-    global _EXIT_HANDLER_REGISTERED
-    if _EXIT_HANDLER_REGISTERED:
-        return
-    _EXIT_HANDLER_REGISTERED = True
-
-    def destroy() -> None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-            dist.destroy_process_group()
-
-    atexit.register(destroy)

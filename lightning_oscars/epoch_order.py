@@ -12,8 +12,6 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_oscars.adapter import unwrap_sampler
-
 __all__ = ["EpochOrder", "training_set_size"]
 
 
@@ -63,11 +61,9 @@ class EpochOrder:
 
     @classmethod
     def of(cls, sampler: object, dataset_size: int, seed: int | None) -> EpochOrder:
-        """The order the user's (possibly Lightning-wrapped) ``sampler`` asks for. ``seed`` (the strategy's, or
-        ``None`` to follow the sampler's or ``seed_everything``'s) seeds a shuffled order."""
-        inner = unwrap_sampler(sampler)
-        if inner is not sampler:  # Lightning wrapped the user's custom sampler
-            return cls.of(inner, dataset_size, seed)
+        """The order the user's ``sampler`` asks for (unwrapped from Lightning's wrapper by the caller: see
+        ``adapter.unwrap_sampler``). ``seed`` (the strategy's, or ``None`` to follow the sampler's or
+        ``seed_everything``'s) seeds a shuffled order."""
         if type(sampler) is DistributedSampler:  # injected by Lightning (or plain): its shuffle flag and seed
             kind = "permutation" if sampler.shuffle else "sequential"
             return cls(kind, dataset_size, sampler.seed if seed is None else seed)

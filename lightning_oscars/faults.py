@@ -13,6 +13,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightning_oscars._c10d import default_store_or_none
+
 __all__ = ["FailureBoard", "describe_collective_failure"]
 
 _PREFIX = "oscars/fault"
@@ -64,12 +66,8 @@ class FailureBoard:
 
     @classmethod
     def from_default_group(cls, world_size: int) -> FailureBoard | None:
-        from lightning_oscars.adapter import default_store
-
-        try:
-            return cls(default_store(), world_size)
-        except Exception:  # noqa: BLE001 - no group, or a backend without a store: no notes
-            return None
+        store = default_store_or_none()
+        return None if store is None else cls(store, world_size)
 
     def report_error(self, rank: int, error: BaseException) -> None:
         text = f"{type(error).__name__}: {error}"[:2000]

@@ -19,6 +19,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 
+from lightning_oscars.adapter import LightningAdapter
 from lightning_oscars.groups import Generator, validate_options
 from lightning_oscars.ripples import RipplesScheme
 from lightning_oscars.schemes import SyncScheme
@@ -125,7 +126,7 @@ class StepSyncStrategy(OscarsStrategy):
 
     @property
     def timeout_s(self) -> float:
-        return self._timeout.total_seconds() if self._timeout is not None else 1800.0
+        return LightningAdapter.collective_timeout_s(self, default=1800.0)
 
 
 class ParameterServerStrategy(StepSyncStrategy):

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_oscars._c10d import new_gloo_group, retire_group
 from lightning_oscars.staleness import StalenessRule, WorkerTimes
 
 __all__ = ["ParameterServer", "Shard", "shard_bounds"]
@@ -322,7 +323,7 @@ class ParameterServer:
         self.peer_failure = peer_failure
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        make = group_factory or (lambda: dist.new_group(backend="gloo"))
+        make = group_factory or new_gloo_group
         self._requests: Any = make()
         self._replies: Any = make()
         self.bounds = shard_bounds(flat.numel(), self.world_size)
@@ -503,6 +504,9 @@ class ParameterServer:
             if strict:
                 raise
         self._thread.join(self.timeout_s if wait_s is None else wait_s)
+        if not self._thread.is_alive():  # its server is done: nothing of this rank uses the groups any more
+            retire_group(self._requests)
+            retire_group(self._replies)
         if not strict:
             return
         if self._thread.is_alive():

@@ -220,9 +220,7 @@ class SchedulePolicy:
 
     # ------------------------------------------------------------------ measurements
 
-    def observe(
-        self, medians: Sequence[float], allreduce_s: float, errors: Sequence[float] | None = None
-    ) -> bool:
+    def observe(self, medians: Sequence[float], allreduce_s: float, errors: Sequence[float] | None = None) -> bool:
         """One averaging: fold each rank's median step time of the round (0 or NaN: none measured) into the
         estimate, maybe (re-)solve; return whether the local steps changed. ``errors``: each median's standard
         error as a fraction of it (from the round's spread and step count); the exact solver does not tell apart

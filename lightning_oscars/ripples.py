@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_oscars._c10d import default_store, new_gloo_group, retire_group
 from lightning_oscars.averaging import add_flat, flat_copy, load_flat
 from lightning_oscars.groups import GroupBoard, meetings
 from lightning_oscars.policy import SchedulePolicy
@@ -204,15 +205,13 @@ class RipplesScheme(ModelAveraging):
 
     def bind(self, parameters: Iterable[Tensor]) -> None:
         """Start this fit's groups (collective: every rank, at the same point)."""
-        from lightning_oscars.adapter import default_store
-
         self.release()
         self._params = list(parameters)
         self.sizes, self.applied_late, self.waited_s, self.asked_s, self.report = [], 0, 0.0, 0.0, {}
         if not dist.is_initialized() or dist.get_world_size() < 2:
             return  # one process: nobody to average with
         self._rank, n = dist.get_rank(), dist.get_world_size()
-        self._exchange_group = dist.new_group(backend="gloo")
+        self._exchange_group = new_gloo_group()
         prefix = f"oscars/ripples/{next(_FITS)}"
         store = default_store()
         if self._rank == 0:
@@ -263,7 +262,10 @@ class RipplesScheme(ModelAveraging):
 
     def release(self) -> None:
         super().release()
-        self._pending = None  # only left by a fit that failed: its members may be gone
+        pending, self._pending = self._pending, None  # only left by a fit that failed: its members may be gone
+        group, self._exchange_group = self._exchange_group, None
+        if pending is None:  # no exchange of this rank can still use it
+            retire_group(group)
         coordinator, self.coordinator, self.client = self.coordinator, None, None
         if self.sizes:
             self.report = {

@@ -135,7 +135,7 @@ class RoundController:
         self._now = now
         self.history: list[RoundRecord] = []
         self.num_averagings = 0
-        self.allreduce_cost = 0.0  # the agreed fixed cost of one round, as the solver prices it
+        self.round_cost = 0.0  # the agreed fixed cost of one round, as the solver prices it
         self.allreduce_time = 0.0  # the agreed duration of the last all-reduce alone
         self._costs: deque[float] = deque(maxlen=COST_WINDOW)  # the last rounds' agreed fixed costs
         self.plan: EpochPlan | None = None
@@ -212,7 +212,7 @@ class RoundController:
         if key != self._deadline_key:
             self._deadline_key = key
             self.deadline_round = plan_deadline(
-                times, self.jitter, self.local_steps, self.allreduce_cost, self.policy.max_local_steps
+                times, self.jitter, self.local_steps, self.round_cost, self.policy.max_local_steps
             )
         return self.deadline_round
 
@@ -322,11 +322,11 @@ class RoundController:
         self._slots_since_average += 1
         return rnd.end_slot if slot + 1 == rnd.end_slot else None
 
-    def may_combine_late(self, next_round: int) -> bool:
-        """Whether the averaging before slot ``next_round`` may reach the models late (overlapped with the next
+    def may_combine_late(self, next_slot: int) -> bool:
+        """Whether the averaging before slot ``next_slot`` may reach the models late (overlapped with the next
         round): not at the epoch's end or where Lightning validates, which need the models equal."""
         plan = self.plan
-        return plan is not None and next_round < plan.total_slots and next_round not in plan.boundary_slots()
+        return plan is not None and next_slot < plan.total_slots and next_slot not in plan.boundary_slots()
 
     @property
     def needs_average(self) -> bool:
@@ -379,10 +379,10 @@ class RoundController:
         return Contribution(self.rank, report, weight, self._stop or stop, self._sigterm, self._requeue)
 
     def absorb(
-        self, summed: ControlData, *, allreduce_s: float, epoch: int, global_step: int, next_round: int | None
+        self, summed: ControlData, *, allreduce_s: float, epoch: int, global_step: int, next_slot: int | None
     ) -> RoundOutcome:
         """Everyone's control data arrived (and the models were combined): update the schedule, maybe re-plan
-        the rest of the epoch from ``next_round`` (``None`` for an extra averaging inside a round)."""
+        the rest of the epoch from ``next_slot`` (``None`` for an extra averaging inside a round)."""
         self._last_allreduce = allreduce_s
         self.num_averagings += 1
         steps = {r.global_step for r in summed.ranks}
@@ -400,7 +400,7 @@ class RoundController:
         # The solver prices the median recent fixed cost per round (one slow round does not re-solve the schedule).
         # Until a whole round has been measured it is unknown (0): the first schedule is solved as if averaging were
         # free and re-solved once, when the cost becomes known.
-        self.allreduce_cost = statistics.median(self._costs) if self._costs else 0.0
+        self.round_cost = statistics.median(self._costs) if self._costs else 0.0
         for rank, report in enumerate(summed.ranks):
             if report.jitter > 0.0:
                 old = self.jitter[rank]
@@ -411,7 +411,7 @@ class RoundController:
         self._round_started = now
         in_force = self.local_steps
         rebalanced = self.policy.observe(
-            [r.step_time for r in summed.ranks], self.allreduce_cost, [r.error for r in summed.ranks]
+            [r.step_time for r in summed.ranks], self.round_cost, [r.error for r in summed.ranks]
         )
         record = RoundRecord(
             round=self.num_averagings,
@@ -424,16 +424,16 @@ class RoundController:
             compute_times=tuple(r.compute for r in summed.ranks),
             allreduce_time=self.allreduce_time,
             rebalanced=rebalanced,
-            round_cost=self.allreduce_cost,
+            round_cost=self.round_cost,
         )
         self.history.append(record)
-        resized = self._replan(rebalanced, next_round, tuple(r.units for r in summed.ranks))
-        if next_round is not None:
+        resized = self._replan(rebalanced, next_slot, tuple(r.units for r in summed.ranks))
+        if next_slot is not None:
             self._round_units = 0
             deadline = self.deadline_round if self.pacer is not None else None
             if self.pacer is not None and deadline is not None:
                 step = self.policy.estimate[self.rank]
-                seconds = deadline.deadline_s * self._deadline_scale(next_round, deadline)
+                seconds = deadline.deadline_s * self._deadline_scale(next_slot, deadline)
                 self.pacer.start_round(seconds, step, quantile_step(step, self.jitter[self.rank]))
         self._stop = False
         if summed.requeue:
@@ -452,7 +452,7 @@ class RoundController:
             return 1.0
         return reservation_scale(max(deadline.reserve), rnd.length)
 
-    def _replan(self, rebalanced: bool, next_round: int | None, trained: tuple[int, ...]) -> bool:
+    def _replan(self, rebalanced: bool, next_slot: int | None, trained: tuple[int, ...]) -> bool:
         """Follow a new schedule from the next round boundary; return whether the epoch's length changed. A schedule
         adopted at an extra averaging (before validation or a checkpoint) waits for the next boundary. A deadline
         round that ended hands back the units its ranks did not reach first."""
@@ -460,17 +460,17 @@ class RoundController:
         plan = self.plan
         if plan is None:
             return False
-        if next_round is None:  # an extra averaging inside a round: remember how far each rank got (checkpoints)
+        if next_slot is None:  # an extra averaging inside a round: remember how far each rank got (checkpoints)
             plan.progress = trained
             return False
-        if 0 < next_round <= plan.total_slots:
-            ended = plan.round_at(next_round - 1)
+        if 0 < next_slot <= plan.total_slots:
+            ended = plan.round_at(next_slot - 1)
             if ended.deadline and plan.settle(ended.start_slot, trained):
                 self._replan_pending = True
-        if next_round >= plan.total_slots:
+        if next_slot >= plan.total_slots:
             return False
         reserve = self.reserve
-        upcoming = plan.round_at(next_round)
+        upcoming = plan.round_at(next_slot)
         if reserve is not None and _needs_other_deadline(plan, upcoming, reserve):
             self._replan_pending = True  # deadline rounds start, or their reservations changed
         if not self._replan_pending:
@@ -478,7 +478,7 @@ class RoundController:
         # The first epoch was sized as an upper bound while speeds were unknown: cut it to what is needed.
         slots = plan.total_slots
         expected = self.deadline_round.expected_units if self.deadline_round is not None else 0.0
-        plan.replan(next_round, self.local_steps, self._upper_bound, reserve, expected, self._slot_bound)
+        plan.replan(next_slot, self.local_steps, self._upper_bound, reserve, expected, self._slot_bound)
         self._replan_pending = False
         self._upper_bound = False
         return plan.total_slots != slots
@@ -491,7 +491,7 @@ class RoundController:
         return {
             "world_size": self.world_size,
             **self.policy.state_dict(),
-            "allreduce_time": self.allreduce_cost,
+            "round_cost": self.round_cost,
             "round_costs": list(self._costs),
             "estimate": estimate[self.rank] if len(estimate) > self.rank and estimate[self.rank] > 0 else None,
             "num_averagings": self.num_averagings,
@@ -506,9 +506,10 @@ class RoundController:
         if not state or state.get("world_size") != self.world_size:
             return None
         self.num_averagings = int(state.get("num_averagings", 0))
-        self.allreduce_cost = float(state.get("allreduce_time") or 0.0)
+        # "allreduce_time": the key under which older checkpoints kept the round cost
+        self.round_cost = float(state.get("round_cost", state.get("allreduce_time")) or 0.0)
         self._costs.extend(float(c) for c in state.get("round_costs") or [])
-        self.policy.load_state_dict(state, self.allreduce_cost)
+        self.policy.load_state_dict(state, self.round_cost)
         plan = state.get("plan")
         if plan is None or plan["total_units"] != total_units:
             return None

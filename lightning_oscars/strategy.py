@@ -3,9 +3,9 @@
 Every rank iterates the same batches ("slots"); rank ``i`` trains in ``tau_i`` of each round's slots and treats
 the rest as no-ops that still advance Lightning's counters, so every trigger and collective stays matched. At a
 round's end the scheme combines the models and the control data in one all-reduce. This class only wires the
-parts to Lightning's strategy hooks: ``driver.RoundDriver`` (one fit's rounds), ``rounds.RoundController`` (the
-round logic, no Lightning), ``policy.SchedulePolicy``, ``schemes``, ``adapter.LightningAdapter`` (every private
-Lightning access), ``hooks`` and ``loader``; see ``docs/architecture.md``.
+parts to Lightning's strategy hooks: one ``session.FitSession`` per fit owns what the fit creates and wires its
+``rounds.RoundController`` (the round logic, no Lightning), scheme (``schemes``) and ``loader`` to the trainer
+through ``callbacks`` and ``adapter.LightningAdapter`` (every private Lightning access). See ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -22,19 +22,18 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_oscars.adapter import LightningAdapter, destroy_gloo_group_at_exit
+from lightning_oscars._c10d import default_store_or_none, destroy_gloo_group_at_exit
+from lightning_oscars.adapter import LightningAdapter
 from lightning_oscars.control import RoundRecord
-from lightning_oscars.driver import RoundDriver
-from lightning_oscars.hooks import append_round_callbacks, has_round_callbacks, insert_round_callbacks
 from lightning_oscars.loader import empty_batch
 from lightning_oscars.policy import Solver
 from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import ModelAveraging, SyncScheme, every_step
+from lightning_oscars.session import FitSession
 from lightning_oscars.solver import DEFAULT_MAX_SPREAD, Schedule
 from lightning_oscars.strategy_options import OscarsOptions, check_ddp_wrapper_options
 from lightning_oscars.timing import make_clock
@@ -165,13 +164,14 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             outer_momentum=outer_momentum,
             overlap_averaging=overlap_averaging,
         )
-        scheme = self.make_scheme()
-        self.driver = RoundDriver(self, scheme, self.make_rounds(scheme, 1, 0), torch.device("cpu"))
+        self.make_scheme()  # a bad combination of options fails here, not at the first fit
+        self._session: FitSession | None = None  # the fit in progress (or a tuner's loop run inside it)
+        self._fit_session: FitSession | None = None  # the fit's own session while a tuner's loop run has its own
+        self._last_session: FitSession | None = None  # the last fit's, for its records
         self._noop_batch: Any = None
         self._in_local_step = False
         self._restored: dict[str, Any] | None = None
         self._checkpoint_written = False  # a checkpoint write's barrier is next
-        self._fit_driver: RoundDriver | None = None  # this fit's driver while a tuner's loop run has its own
 
     # ------------------------------------------------------------------ public state
 
@@ -183,55 +183,52 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
     @property
     def slot_is_real(self) -> bool:
         """Whether the batch in progress is a real local step of this rank (``False`` on a no-op slot, where hooks
-        see an empty batch and ``outputs == {}``; see the README's "No-op slots")."""
-        return self.rounds.slot.real
+        see an empty batch and ``outputs == {}``; see the README's "No-op slots"). ``True`` outside a fit."""
+        return self._session is None or self._session.rounds.slot.real
 
     @property
-    def rounds(self) -> RoundController:
-        """The round controller of the current (or last) fit."""
-        return self.driver.rounds
+    def rounds(self) -> RoundController | None:
+        """The round controller of the current (or last) fit; ``None`` before the first fit with several ranks."""
+        session = self._session or self._last_session
+        return None if session is None else session.rounds
 
     @property
-    def scheme(self) -> SyncScheme:
-        return self.driver.scheme
+    def scheme(self) -> SyncScheme | None:
+        """The synchronisation scheme of the current (or last) fit; ``None`` before the first."""
+        session = self._session or self._last_session
+        return None if session is None else session.scheme
 
     @property
     def local_steps(self) -> tuple[int, ...]:
-        """Every rank's local steps in the current round."""
-        return self.rounds.local_steps
+        """Every rank's local steps in the current (or last) round; ``()`` before the first fit."""
+        return () if self.rounds is None else self.rounds.local_steps
 
     @property
     def schedule(self) -> Schedule | None:
-        return self.scheme.policy.schedule
+        return None if self.scheme is None else self.scheme.policy.schedule
 
     @property
     def history(self) -> list[RoundRecord]:
         """Every averaging of the last fit, as all ranks agreed on it."""
-        return self.rounds.history
+        return [] if self.rounds is None else self.rounds.history
 
     @property
     def num_averagings(self) -> int:
-        return self.rounds.num_averagings
+        return 0 if self.rounds is None else self.rounds.num_averagings
 
     def state_dict(self) -> dict[str, Any]:
         """Schedule, timing estimates, the epoch's plan and the scheme's state, as stored in checkpoints under
-        ``"oscars"``."""
-        return {**self.rounds.state_dict(), "scheme": self.scheme.state_dict()}
+        ``"oscars"`` (``{}`` outside a fit)."""
+        session = self._session
+        if session is None:
+            return {}
+        return {**session.rounds.state_dict(), "scheme": session.scheme.state_dict()}
 
     def average_if_pending(self) -> None:
         """Average now if any rank trained since the last averaging or its result is still to be applied (the same
-        answer on every rank)."""
-        trainer = LightningAdapter.trainer_of(self.lightning_module)
-        rounds = self.rounds
-        if self._fitting(trainer) and (rounds.needs_average or not (self.scheme.settled or rounds.failed)):
-            assert trainer is not None
-            self.driver.average(trainer, next_round=None)
-
-    def report_failure(self, error: BaseException) -> None:
-        """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""
-        if self.is_active and not isinstance(error, SIGTERMException):
-            # SIGTERM is a coordinated stop (all ranks, same batch): collectives stay matched.
-            self.driver.report_failure(error)
+        answer on every rank); nothing outside a fit."""
+        if self._session is not None:
+            self._session.average_if_pending()
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -250,7 +247,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING and self.is_active:
             # Before the parent's setup: configure_optimizers may already read estimated_stepping_batches, which
-            # builds the training loader (process_dataloader) with this fit's driver.
+            # builds the training loader (process_dataloader) with this fit's session.
             self._begin_fit(trainer)
         super().setup(trainer)
 
@@ -261,66 +258,101 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         )
         if problem is not None:
             raise ValueError(problem)
+        self._end_fit()  # a previous fit on this Trainer that was not torn down, if any
         scheme = self.make_scheme()
         if isinstance(scheme, ModelAveraging):
             scheme.device = self.root_device
+        store = default_store_or_none()
         rounds = self.make_rounds(
-            scheme, self.world_size, self.global_rank, make_clock(self.root_device), StoreCounter.from_default_group()
+            scheme,
+            self.world_size,
+            self.global_rank,
+            make_clock(self.root_device),
+            None if store is None else StoreCounter(store),
         )
         rounds.begin_fit(trainer.max_steps)
-        self.driver.close()  # a previous fit on this Trainer, if any
-        self.driver = RoundDriver(self, scheme, rounds, self.root_device)
-        self.driver.restored, self._restored = self._restored, None
-        insert_round_callbacks(self, trainer.callbacks, monitor=self.monitor)  # type: ignore[attr-defined]
+        restored, self._restored = self._restored, None
+        self._session = self._make_session(scheme, rounds, restored)
+        self._session.begin(trainer, monitor=self.monitor)
+
+    def _make_session(
+        self,
+        scheme: SyncScheme,
+        rounds: RoundController,
+        restored: dict[str, Any] | None = None,
+        on_training_end: Any = None,
+    ) -> FitSession:
+        return FitSession(
+            self,
+            scheme,
+            rounds,
+            name=self.strategy_name,
+            seed=self.seed,
+            average_optimizer_state=self.average_optimizer_state,
+            restored=restored,
+            on_training_end=on_training_end,
+        )
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = LightningAdapter.trainer_of(self.lightning_module)
-        if not self._fitting(trainer) or has_round_callbacks(trainer.callbacks):  # type: ignore[union-attr]
+        session = self._session
+        if session is None or trainer is None or not session.fitting(trainer) or session.callbacks_in(trainer):
             return
-        assert trainer is not None
         # A tuner replaced trainer.callbacks for a loop run of its own (Tuner.lr_find keeps only its LR callback, whose
         # per-batch broadcast runs on real steps only, and whose loss curve needs every step real). That run trains on
         # every rank at every slot, averaging after every step (ddp's steps for SGD), and its weights are restored
-        # after it; this fit's rounds take the loader back at its end (end_tuner_run).
-        self._fit_driver = self.driver
+        # after it; this fit's rounds take the loader back at its end (_end_tuner_run).
+        self._fit_session = session
         scheme = every_step(self.root_device)
         rounds = RoundController(scheme.policy, self.world_size, self.global_rank, clock=make_clock(self.root_device))
         rounds.begin_fit(trainer.max_steps)
-        self.driver = RoundDriver(self, scheme, rounds, self.root_device)
-        if self._fit_driver.loader is not None:
-            self.driver.adopt_loader(self._fit_driver.loader)
-        append_round_callbacks(self, trainer.callbacks)  # type: ignore[attr-defined]
-        self.driver.begin_rounds(trainer)
+        self._session = self._make_session(scheme, rounds, on_training_end=self._end_tuner_run)
+        if session.loader is not None:
+            self._session.adopt_loader(session.loader)
+        self._session.begin(trainer, monitor=False, after_tuner=True)
+        self._session.begin_rounds(trainer)
 
-    def end_tuner_run(self) -> None:
-        """A tuner's loop run ended (see :meth:`on_train_start`): this fit's own rounds take over again."""
-        fit_driver, self._fit_driver = self._fit_driver, None
-        if fit_driver is None:
+    def _end_tuner_run(self) -> None:
+        """A tuner's loop run ended (see :meth:`on_train_start`): this fit's own session takes over again."""
+        fit_session, self._fit_session = self._fit_session, None
+        if fit_session is None:
             return
-        loader = self.driver.loader
-        self.driver.close()
-        self.driver = fit_driver
+        tuner_session, self._session = self._session, fit_session
+        loader = None if tuner_session is None else tuner_session.loader
+        if tuner_session is not None:
+            tuner_session.end()
         if loader is not None:
-            fit_driver.adopt_loader(loader)
+            fit_session.adopt_loader(loader)
+
+    def _end_fit(self) -> None:
+        """Undo everything the fit created (its session and a tuner run's inside it); keep its records."""
+        self._end_tuner_run()  # a tuner's loop run that raised
+        session, self._session = self._session, None
+        if session is not None:
+            session.end()
+            self._last_session = session
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = LightningAdapter.trainer_of(self.lightning_module)
-        if not self._fitting(trainer) or trainer.state.stage != RunningStage.TRAINING:  # type: ignore[union-attr]
+        session = self._session
+        if session is None or not session.fitting(trainer) or trainer.state.stage != RunningStage.TRAINING:  # type: ignore[union-attr]
             return dataloader
         assert trainer is not None
-        return self.driver.wrap_dataloader(trainer, dataloader)
+        return session.wrap_dataloader(trainer, dataloader)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        loader = self.driver.loader
+        session = self._session
+        loader = None if session is None else session.loader
         trainer = LightningAdapter.trainer_of(self.lightning_module)
         if loader is None or trainer is None or not trainer.training or not loader.has_pending_slot:
             return super().batch_to_device(batch, device, dataloader_idx)
+        assert session is not None
         slot = loader.take_slot()
-        self.rounds.begin_slot(slot)  # a real step's clock starts here
+        session.rounds.begin_slot(slot)  # a real step's clock starts here
         if not slot.real:
             # The empty batch of the last real one, already on the device (no transfer, no transfer hooks). Only a
             # resume into a no-op slot moves its (empty) batch once.
@@ -341,7 +373,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if self._in_local_step or self.rounds.failed:
+        if self._in_local_step or self._failed:
             # self.log(..., sync_dist=True) inside a local step: ranks run different numbers of steps, so the
             # value stays rank-local here; epoch-level aggregates are reduced at the epoch end as usual.
             return tensor
@@ -356,16 +388,25 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
     def barrier(self, name: str | None = None) -> None:
         self._forbid_collective("barrier")
         started = time.perf_counter()
-        if not self.rounds.failed:  # when failed, the peers are gone or will not come: it would wait for the timeout
+        if not self._failed:  # when failed, the peers are gone or will not come: it would wait for the timeout
             super().barrier(name)
         if self._checkpoint_written and name == CHECKPOINT_BARRIER:
             self._checkpoint_written = False  # the wait for the writer is no more training than the write
-            self.rounds.exclude_time(time.perf_counter() - started)
+            self._exclude_time(time.perf_counter() - started)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         self._forbid_collective("broadcast")
-        return obj if self.rounds.failed else super().broadcast(obj, src)
+        return obj if self._failed else super().broadcast(obj, src)
+
+    @property
+    def _failed(self) -> bool:
+        """A collective of this fit failed: the peers are gone or will not come."""
+        return self._session is not None and self._session.rounds.failed
+
+    def _exclude_time(self, seconds: float) -> None:
+        if self._session is not None:
+            self._session.rounds.exclude_time(seconds)
 
     def _forbid_collective(self, name: str) -> None:
         if self._in_local_step:
@@ -383,7 +424,8 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        fitting = self._fitting(LightningAdapter.trainer_of(self.lightning_module))
+        session = self._session
+        fitting = session is not None and session.fitting(LightningAdapter.trainer_of(self.lightning_module))
         if fitting:
             checkpoint["oscars"] = self.state_dict()
         started = time.perf_counter()
@@ -392,7 +434,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             # Neither the write (rank 0) nor the barrier after it (the others wait for the writer) is a step or a
             # round's fixed cost: both are left out like validation, or a slow file system would read as a costly
             # all-reduce and lengthen every round.
-            self.rounds.exclude_time(time.perf_counter() - started)
+            self._exclude_time(time.perf_counter() - started)
             self._checkpoint_written = True
 
     @override
@@ -403,10 +445,6 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self.end_tuner_run()  # a tuner's loop run that raised
-        self.driver.close()
+        self._end_fit()
         self._noop_batch = None
         super().teardown()
-
-    def _fitting(self, trainer: Trainer | None) -> bool:
-        return self.is_active and trainer is not None and trainer.state.fn == TrainerFn.FITTING

@@ -49,16 +49,6 @@ class StoreCounter:
         self.store = store
         self.key = f"{_PREFIX}/{next(_fits)}"
 
-    @classmethod
-    def from_default_group(cls) -> StoreCounter | None:
-        """The counter in torch.distributed's default group's store; ``None`` without one."""
-        from lightning_oscars.adapter import default_store
-
-        try:
-            return cls(default_store())
-        except Exception:  # noqa: BLE001 - no group, or a backend without a store: every rank takes warmup_steps
-            return None
-
     def __call__(self, delta: int) -> int:
         return int(self.store.add(self.key, delta))
 

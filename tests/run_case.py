@@ -619,7 +619,11 @@ def build(case: str, out: Path):
         callbacks += [
             ModelCheckpoint(dirpath=out / "val", monitor="train_loss", save_top_k=2, filename=name),  # at validation
             ModelCheckpoint(
-                dirpath=out / "epoch", monitor="train_loss", mode="max", save_top_k=2, filename=name,
+                dirpath=out / "epoch",
+                monitor="train_loss",
+                mode="max",
+                save_top_k=2,
+                filename=name,
                 save_on_train_epoch_end=True,
             ),
             ModelCheckpoint(
@@ -741,10 +745,11 @@ def run_one(case: str, out: Path) -> None:
         if isinstance(cb, SettledProbe):
             result.update(settled=cb.settled, at_validation=cb.at_validation)
     if isinstance(s, OscarsStrategy):
-        plan = s.rounds.plan
+        rounds = s.rounds  # None when the fit was refused before it began
+        plan = None if rounds is None else rounds.plan
         result.update(
             history=[r.as_dict() for r in s.history],
-            round_costs=s.rounds.state_dict()["round_costs"],  # the last rounds' measured fixed costs
+            round_costs=[] if rounds is None else rounds.state_dict()["round_costs"],  # the last rounds' fixed costs
             num_averagings=s.num_averagings,
             schedule=list(s.schedule.local_steps) if s.schedule else None,
             # the last epoch's plan: where its rounds ended
@@ -752,12 +757,13 @@ def run_one(case: str, out: Path) -> None:
             validated_at=per_epoch.validated_at,
             round_ends_per_epoch=per_epoch.round_ends,
         )
-    if isinstance(s, ParameterServerStrategy):
-        result["ps"] = s.scheme.report  # type: ignore[attr-defined]
-    if hasattr(s, "scheme") and hasattr(s.scheme, "applied_late"):
-        result["applied_late"] = s.scheme.applied_late
-    if isinstance(s, RipplesStrategy):
-        result["ripples"] = s.scheme.report  # type: ignore[attr-defined]
+    scheme = getattr(s, "scheme", None)
+    if isinstance(s, ParameterServerStrategy) and scheme is not None:
+        result["ps"] = scheme.report  # type: ignore[attr-defined]
+    if hasattr(scheme, "applied_late"):
+        result["applied_late"] = scheme.applied_late  # type: ignore[union-attr]
+    if isinstance(s, RipplesStrategy) and scheme is not None:
+        result["ripples"] = scheme.report  # type: ignore[attr-defined]
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

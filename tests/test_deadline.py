@@ -199,7 +199,7 @@ def simulate(
                 t.now = meet
             vectors = [c.contribution(global_step=0).encode(2) for c, _ in ranks]
             summed = ControlData.decode([sum(v) for v in zip(*vectors)], 2)
-            outcomes = [c.absorb(summed, allreduce_s=0.002, epoch=epoch, global_step=0, next_round=ends[0][0])
+            outcomes = [c.absorb(summed, allreduce_s=0.002, epoch=epoch, global_step=0, next_slot=ends[0][0])
                         for c, _ in ranks]  # fmt: skip
             assert outcomes[0] == outcomes[1]
             first, plan = ranks[0][0], ranks[0][0].plan

@@ -9,6 +9,7 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import RandomSampler, SequentialSampler, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from lightning_oscars.adapter import unwrap_sampler
 from lightning_oscars.loader import EpochOrder
 
 DATA = list(range(50))
@@ -40,7 +41,7 @@ def test_a_custom_sampler_is_drawn_and_shared():
     weights[0] = 1000.0
     user = WeightedRandomSampler(weights, num_samples=30, replacement=True)
     wrapped = DistributedSamplerWrapper(user, num_replicas=2, rank=1)  # what Lightning injects around it
-    order = EpochOrder.of(wrapped, 50, None)
+    order = EpochOrder.of(unwrap_sampler(wrapped), 50, None)  # the driver unwraps it (adapter)
     assert order.kind == "sampler" and order.shared and order.num_samples == 30
     drawn = order.draw(0)
     assert len(drawn) == 30 and drawn.count(0) > 15

@@ -98,8 +98,8 @@ def test_the_scheme_posts_at_a_round_end_and_applies_at_the_next_call(one_rank_g
 
 
 def test_overlap_is_an_option_of_the_strategy_and_refuses_the_outer_step():
-    assert isinstance(OscarsStrategy(overlap_averaging=True).scheme, OverlappedAveraging)
-    assert not isinstance(OscarsStrategy().scheme, OverlappedAveraging)
+    assert isinstance(OscarsStrategy(overlap_averaging=True).make_scheme(), OverlappedAveraging)
+    assert not isinstance(OscarsStrategy().make_scheme(), OverlappedAveraging)
     with pytest.raises(ValueError, match="overlap_averaging cannot be combined with outer_lr"):
         OscarsStrategy(overlap_averaging=True, outer_lr=0.7)
     with pytest.raises(ValueError, match="overlap_averaging must be True or False"):

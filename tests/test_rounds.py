@@ -52,7 +52,7 @@ def run_round(ranks, slot0: int, batch_size: int = 8) -> tuple[list, int]:
     assert ends == {None, rnd.end_slot}, "every rank ends the round at the same slot"
     vectors = [c.contribution(global_step=rnd.end_slot).encode(2) for c, _ in ranks]
     summed = ControlData.decode([sum(v) for v in zip(*vectors)], 2)
-    outcomes = [c.absorb(summed, allreduce_s=0.001, epoch=0, global_step=rnd.end_slot, next_round=rnd.end_slot)
+    outcomes = [c.absorb(summed, allreduce_s=0.001, epoch=0, global_step=rnd.end_slot, next_slot=rnd.end_slot)
                 for c, _ in ranks]  # fmt: skip
     return outcomes, rnd.end_slot
 
@@ -130,7 +130,7 @@ def test_disagreeing_global_steps_are_an_error():
     ]
     summed = ControlData.decode([a + b for a, b in zip(*vectors)], 2)
     with pytest.raises(RuntimeError, match="disagree on global_step"):
-        ranks[0][0].absorb(summed, allreduce_s=0.0, epoch=0, global_step=3, next_round=None)
+        ranks[0][0].absorb(summed, allreduce_s=0.0, epoch=0, global_step=3, next_slot=None)
 
 
 def test_control_data_round_trip_and_bad_sizes():

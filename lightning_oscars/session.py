@@ -1,9 +1,11 @@
-"""The round driver: one fit's rounds, wired to Lightning.
+"""The fit session: everything one fit creates, wired to Lightning, and undone at its end.
 
-:class:`RoundDriver` connects the pure parts (the round controller, the scheme, the loader) to the trainer:
-the callbacks of ``hooks.py`` call it at epoch starts, batch ends, before validation and at the end of fit;
-the strategy calls it when a batch is moved to the device and before a checkpoint is written. Every private
-Lightning access goes through ``adapter.py``.
+:class:`FitSession` connects the pure parts (the round controller, the scheme, the loader) to the trainer. The
+strategy begins one in ``setup`` when a fit starts and ends it in ``teardown``: :meth:`FitSession.begin` inserts the
+round callbacks (``callbacks.py``), which call it at epoch starts, batch ends, validations and the end of training;
+``begin_rounds`` installs the adapter's patches and binds the scheme (which may make process groups);
+:meth:`FitSession.end` undoes all of it. The strategy calls it when a batch is moved to the device and before a
+checkpoint is written. Every private Lightning access goes through ``adapter.py``; nothing here imports the strategy.
 
 One round, from Lightning's hook to the all-reduce and back::
 
@@ -16,16 +18,21 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_oscars.adapter import LightningAdapter
+from lightning_oscars.adapter import LightningAdapter, unwrap_sampler
 from lightning_oscars.averaging import agree_on_layout, averaged_tensors, optimizer_state_layout
+from lightning_oscars.callbacks import append_round_callbacks, insert_round_callbacks, without_callbacks
 from lightning_oscars.control import ControlData
 from lightning_oscars.epoch_metrics import StepValueAgreement, align_epoch_metrics, module_metric
 from lightning_oscars.faults import FailureBoard, describe_collective_failure
@@ -34,26 +41,50 @@ from lightning_oscars.rounds import RoundController, ends_slot
 from lightning_oscars.schemes import SyncScheme
 from lightning_oscars.server_scheme import ParameterServerScheme
 
-if TYPE_CHECKING:
-    from lightning_oscars.strategy import OscarsStrategy
-
-__all__ = ["RoundDriver"]
+__all__ = ["FitSession"]
 
 
-class RoundDriver:
-    """Drives one fit's rounds for ``strategy`` (see the module docstring)."""
+class FitSession:
+    """One fit's rounds under ``strategy`` (see the module docstring).
+
+    Args:
+        strategy: the Lightning strategy whose ranks, device, module and collectives the fit uses.
+        scheme: this fit's synchronisation scheme (bound at training start, released at the end).
+        rounds: this fit's round controller.
+        name: the strategy's registered name, for error messages.
+        seed: the strategy's shuffle seed (``None``: the sampler's or ``seed_everything``'s).
+        average_optimizer_state: also average the optimizer state every rank holds.
+        restored: the ``"oscars"`` entry of the checkpoint the fit resumes from.
+        on_training_end: called after the end of training's averaging (the strategy hands a tuner's loop run back).
+    """
 
     def __init__(
-        self, strategy: OscarsStrategy, scheme: SyncScheme, rounds: RoundController, device: torch.device
+        self,
+        strategy: ParallelStrategy,
+        scheme: SyncScheme,
+        rounds: RoundController,
+        *,
+        name: str,
+        seed: int | None = None,
+        average_optimizer_state: bool = False,
+        restored: dict[str, Any] | None = None,
+        on_training_end: Callable[[], None] | None = None,
     ) -> None:
         self.strategy = strategy
         self.scheme = scheme
         self.rounds = rounds
-        # A bound method, not a closure: a spawn launcher pickles the strategy with its driver.
-        self.adapter = LightningAdapter(self.slot_is_real, device)
+        self.name = name
+        self.seed = seed
+        self.average_optimizer_state = average_optimizer_state
+        self.restored = restored
+        self.on_training_end = on_training_end
+        self.adapter = LightningAdapter(self.slot_is_real, strategy.root_device)
         self.loader: LoadBalancedLoader | None = None
-        self.restored: dict[str, Any] | None = None
         self.step_values = StepValueAgreement()
+        self.ended = False
+        self._trainer: Trainer | None = None
+        self._callbacks: list[Callback] = []
+        self._validation_started: float | None = None
         if isinstance(scheme, ParameterServerScheme):
             if scheme.max_lead is not None:  # BSP: equal steps; SSP, DSSP: at most the bound and one more
                 rounds.step_spread = scheme.max_lead + (0 if scheme.lockstep else 1)
@@ -63,8 +94,41 @@ class RoundDriver:
                 # "a no-op slot in between".
                 rounds.pacer.packed = True
 
+    # ------------------------------------------------------------------ the session's lifecycle
+
+    def begin(self, trainer: Trainer, monitor: bool, after_tuner: bool = False) -> None:
+        """Insert the round callbacks (a monitor too, if asked and none is there). ``after_tuner``: append them
+        after the callbacks of a tuner's loop run instead (see ``OscarsStrategy.on_train_start``)."""
+        self._trainer = trainer
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if after_tuner:
+            self._callbacks = append_round_callbacks(self, callbacks)
+        else:
+            self._callbacks = insert_round_callbacks(self, callbacks, monitor=monitor)
+
+    def callbacks_in(self, trainer: Trainer) -> bool:
+        """Whether this session's callbacks are in ``trainer.callbacks`` (a tuner may have replaced the list)."""
+        present = {id(cb) for cb in trainer.callbacks}  # type: ignore[attr-defined]
+        return bool(self._callbacks) and all(id(cb) in present for cb in self._callbacks)
+
+    def end(self) -> None:
+        """The fit is over (or failed): remove the callbacks and the adapter's patches, release the scheme (and the
+        process groups it made), drop the loader. The round records stay readable."""
+        if self.ended:
+            return
+        self.ended = True
+        if self._trainer is not None:
+            self._trainer.callbacks = without_callbacks(self._trainer.callbacks, self._callbacks)  # type: ignore[attr-defined]
+        self._trainer, self._callbacks = None, []
+        self.adapter.remove()
+        self.scheme.release()
+        self.loader = None
+
     def slot_is_real(self) -> bool:
         return self.rounds.slot.real
+
+    def fitting(self, trainer: Trainer | None) -> bool:
+        return not self.ended and trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     def wrap_dataloader(self, trainer: Trainer, dataloader: object) -> LoadBalancedLoader:
         """The load-balanced loader over the user's training loader."""
@@ -78,7 +142,7 @@ class RoundDriver:
             rank=s.global_rank,
             world_size=s.world_size,
             batches_per_slot=LightningAdapter.accumulation_at(trainer, trainer.current_epoch),
-            order=EpochOrder.of(dataloader.sampler, training_set_size(dataloader), s.seed),
+            order=EpochOrder.of(unwrap_sampler(dataloader.sampler), training_set_size(dataloader), self.seed),
         )
         self.adopt_loader(loader)
         return loader
@@ -98,7 +162,7 @@ class RoundDriver:
         if self.scheme.waits_within_rounds and LightningAdapter.time_interval_checkpoints(trainer):
             raise ValueError(
                 "ModelCheckpoint(train_time_interval=...) broadcasts its decision at every batch, which"
-                f" strategy={self.strategy.strategy_name!r} cannot match: its ranks wait for each other inside a round."
+                f" strategy={self.name!r} cannot match: its ranks wait for each other inside a round."
                 " Save by steps (every_n_train_steps) or at validation, or use strategy='oscars'."
             )
         self.adapter.install(trainer, self._on_sigterm, self.rounds.request_requeue)
@@ -130,7 +194,7 @@ class RoundDriver:
         loaders = LightningAdapter.training_loader_count(trainer)
         if loaders > 1:  # every rank sees the same loaders: every rank raises here, before any collective of the epoch
             raise ValueError(
-                f"strategy={self.strategy.strategy_name!r} splits one training DataLoader by speed, but"
+                f"strategy={self.name!r} splits one training DataLoader by speed, but"
                 f" train_dataloader returned {loaders} (Lightning combines them in a CombinedLoader); all but one"
                 " would go unplanned and lose their data. Combine the data sets into one DataLoader (for example a"
                 " Dataset whose items hold one sample of each), or use strategy='ddp'."
@@ -172,17 +236,50 @@ class RoundDriver:
             except Exception as error:  # a peer died, raised or hung: name it, then stop
                 what = f"the {self.scheme.name} exchange after a step"
                 raise RuntimeError(self._collective_failure(error, what)) from error
-        next_round = self.rounds.end_slot(batch_idx, self.loader.batches_per_slot, trainer.num_training_batches)
-        if next_round is not None:
-            self.average(trainer, next_round=next_round)
+        next_slot = self.rounds.end_slot(batch_idx, self.loader.batches_per_slot, trainer.num_training_batches)
+        if next_slot is not None:
+            self.average(trainer, next_slot=next_slot)
         if LightningAdapter.checkpoint_due(trainer):  # the same answer on every rank: it depends on global_step
-            if next_round is None and self.scheme.waits_within_rounds:
+            if next_slot is None and self.scheme.waits_within_rounds:
                 # A ModelCheckpoint saving at this step reduces its decisions (collectives) before it takes the
                 # state dict, where the averaging would otherwise happen: a peer waiting for this rank inside the
                 # round would never reach them. Averaging first releases it.
-                self.strategy.average_if_pending()
+                self.average_if_pending()
             self.agree_step_values(trainer)  # its top-k and file name may read a step value
         self.adapter.pace_validation(trainer, batch_idx)
+
+    def end_epoch(self, trainer: Trainer) -> None:
+        """The training epoch ended: align its metrics, then average if anything is pending."""
+        self.align_epoch_metrics(trainer)
+        self.average_if_pending()
+
+    def start_validation(self, trainer: Trainer) -> None:
+        """Validation is about to run: evaluate one model, and give its callbacks one figure per step value."""
+        self.average_if_pending()
+        if not trainer.sanity_checking:
+            # ModelCheckpoint / EarlyStopping at the validation's end may monitor a training step value
+            self.agree_step_values(trainer)
+        self._validation_started = time.perf_counter()
+
+    def end_validation(self, trainer: Trainer) -> None:
+        started, self._validation_started = self._validation_started, None
+        if started is not None:  # records count training time only
+            self.rounds.exclude_time(time.perf_counter() - started)
+
+    def end_training(self, trainer: Trainer) -> None:
+        """Training ended: what the fit returns (and the last checkpoint holds) is one model."""
+        self.average_if_pending()
+        if self.on_training_end is not None:
+            self.on_training_end()
+
+    def average_if_pending(self) -> None:
+        """Average now if any rank trained since the last averaging or its result is still to be applied (the same
+        answer on every rank)."""
+        trainer = LightningAdapter.trainer_of(self.strategy.lightning_module)
+        rounds = self.rounds
+        if self.fitting(trainer) and (rounds.needs_average or not (self.scheme.settled or rounds.failed)):
+            assert trainer is not None
+            self.average(trainer, next_slot=None)
 
     def align_epoch_metrics(self, trainer: Trainer) -> None:
         """Match the epoch-end ``sync_dist`` reductions and self-synchronising metrics across ranks (see
@@ -207,7 +304,7 @@ class RoundDriver:
     def agree_step_values(self, trainer: Trainer) -> None:
         """Give callbacks about to decide on step values (a validation's, a checkpoint's) one figure on every rank.
         Collective: call it where every rank is (a validation's start, a batch where a checkpoint is due)."""
-        if self.rounds.failed or not self.strategy.is_active:
+        if self.rounds.failed:
             return
         results = LightningAdapter.training_results(trainer)
         if results is None:
@@ -220,7 +317,7 @@ class RoundDriver:
         torch.distributed.all_gather_object(everyone, mine)
         return everyone
 
-    def average(self, trainer: Trainer, next_round: int | None) -> None:
+    def average(self, trainer: Trainer, next_slot: int | None) -> None:
         """The round's one collective: combine the models and the control data, then act on the outcome."""
         rounds, device, n = self.rounds, self.strategy.root_device, self.strategy.world_size
         mine = rounds.contribution(trainer.global_step, stop=self.adapter.timer_expired())
@@ -230,7 +327,7 @@ class RoundDriver:
         try:
             tensors = self._synchronized_tensors(trainer)
             # Where nothing needs the models equal right after, a scheme may let the combination arrive late.
-            late = next_round is not None and rounds.may_combine_late(next_round)
+            late = next_slot is not None and rounds.may_combine_late(next_slot)
             combine = self.scheme.synchronize_late if late else self.scheme.synchronize
             summed = combine(tensors, mine.encode(n), ControlData.weight_index(n))
         except Exception as error:  # a peer died, raised or hung past the timeout: name it, then stop
@@ -240,7 +337,7 @@ class RoundDriver:
             allreduce_s=time.perf_counter() - started,
             epoch=trainer.current_epoch,
             global_step=trainer.global_step,
-            next_round=next_round,
+            next_slot=next_slot,
         )
         if outcome.resized:
             assert self.loader is not None and rounds.plan is not None
@@ -261,7 +358,7 @@ class RoundDriver:
         extra = LightningAdapter.averaged_copies(trainer)
         module = s.lightning_module
         assert module is not None
-        if not s.average_optimizer_state:
+        if not self.average_optimizer_state:
             return averaged_tensors(module, extra_modules=extra)
         # Which parameters have optimizer state differs between ranks (a head some rank never used): only the state
         # every rank holds is averaged, so that all ranks pack buffers of one layout.
@@ -280,15 +377,10 @@ class RoundDriver:
 
     def report_failure(self, error: BaseException) -> None:
         """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""
-        if self.rounds.failed:
+        if self.rounds.failed or isinstance(error, SIGTERMException):
+            # SIGTERM is a coordinated stop (all ranks, same batch): collectives stay matched.
             return
         self.rounds.failed = True
         board = FailureBoard.from_default_group(self.strategy.world_size)
         if board is not None:
             board.report_error(self.strategy.global_rank, error)
-
-    def close(self) -> None:
-        """The fit is over: undo the adapter's patches, drop buffers and the loader."""
-        self.adapter.remove()
-        self.scheme.release()
-        self.loader = None
