@@ -57,6 +57,30 @@ def ddp_fit() -> list[float]:
     return weights(module)
 
 
+def server_fits() -> list[int]:
+    """Three short fits of a parameter-server paradigm on one Trainer: the process groups alive after each (the
+    default group's registry; a test's look into torch's private state). Each fit makes two groups of its own."""
+    from lightning_oscars.paradigms import SSPStrategy
+
+    module = ToyModule(n=64, step_cost=0.001)
+    trainer = L.Trainer(
+        strategy=SSPStrategy(staleness=2),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    alive = []
+    for max_epochs in (1, 2, 3):
+        trainer.fit_loop.max_epochs = max_epochs
+        trainer.fit(module)
+        alive.append(len(torch.distributed.distributed_c10d._world.pg_map))
+    return alive
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     signal.signal(signal.SIGUSR1, user_requeue_handler)
@@ -90,9 +114,11 @@ def main() -> None:
                     patched=patched(trainer, extra),
                     handlers_restored=all(signal.getsignal(s) is h for s, h in pristine.items()),
                     weights=weights(module),
+                    callbacks=[type(cb).__name__ for cb in trainer.callbacks],
                 )
             )
         result["fits"] = fits
+        result["groups_after_server_fits"] = server_fits()
         result["validate"] = trainer.validate(module, verbose=False)
         result["test"] = trainer.test(module, verbose=False)
         result["eval_weights"] = weights(module)

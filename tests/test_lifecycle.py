@@ -31,6 +31,13 @@ def test_second_fit_evaluation_and_a_later_ddp_trainer_are_unaffected(tmp_path):
         first, second = rank["fits"]
         # After each fit nothing of oscars is left in Lightning's loops, connectors, callbacks or signal handlers.
         assert first["patched"] == second["patched"] == []
+        # The round callbacks are gone after each fit; the monitor it added stays (the user's view of the fit), once.
+        for fit in (first, second):
+            assert "EpochCallback" not in fit["callbacks"] and "RoundCallback" not in fit["callbacks"]
+            assert fit["callbacks"].count("ScheduleMonitor") == 1
+        # A paradigm's process groups do not pile up over fits: each fit's are destroyed once every rank is past it.
+        alive = rank["groups_after_server_fits"]
+        assert alive[0] == alive[1] == alive[2], alive
         assert first["handlers_restored"] and second["handlers_restored"] and rank["handlers_restored"]
         # The second fit (one more epoch) ran its own rounds from 1 on, once over the data.
         assert second["rounds"][0] == 1 and len(second["rounds"]) > 1
