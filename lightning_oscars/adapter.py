@@ -243,7 +243,7 @@ class LightningAdapter:
 
     def size_epoch(self, trainer: Trainer, batches: int, mid_epoch: bool = False) -> None:
         """Tell Lightning the epoch has ``batches`` batches (a fractional ``limit_train_batches`` is already in the
-        plan: the driver plans the units ddp would train under it; an int one caps the batches, as Lightning counts
+        plan: the session plans the units ddp would train under it; an int one caps the batches, as Lightning counts
         them on every rank); ``mid_epoch``: re-sized
         at a batch's end, before that batch's validation check, and the rest of the epoch still runs the validations
         it owed (see :meth:`pace_validation`)."""

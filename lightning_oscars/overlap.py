@@ -12,7 +12,7 @@ DiLoCo applies its delayed fragments the same way). A round's averaging then cos
 a few passes over the model in memory instead of the model's transfer, and the models never quite agree during
 training: each is the last round's mean plus one round of its own steps.
 
-Where Lightning needs the models equal (validation, a checkpoint, an epoch's end, the end of fit) the driver calls
+Where Lightning needs the models equal (validation, a checkpoint, an epoch's end, the end of fit) the session calls
 :meth:`OverlappedAveraging.synchronize`: the pending mean is applied, then the models are averaged at once, as
 without overlap. It costs one extra flat copy of the averaged floating-point tensors besides the flat buffer.
 """

@@ -39,7 +39,7 @@ class SyncScheme(ABC):
     name = "scheme"
     # Whether a rank may wait for another inside a round (a staleness bound, a group exchange). Then no collective
     # may come between two of a round's steps on one rank unless this rank synchronized first (which releases whoever
-    # waits for it): the driver averages before a checkpoint's own collectives.
+    # waits for it): the session averages before a checkpoint's own collectives.
     waits_within_rounds = False
 
     def __init__(self, policy: SchedulePolicy) -> None:

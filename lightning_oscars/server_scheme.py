@@ -78,7 +78,7 @@ class ParameterServerScheme(ModelAveraging):
     ) -> None:
         super().__init__(policy, device)
         self.make_rule = make_rule
-        # Every rank takes one step per clock (BSP): the driver packs a round's real steps at its start and lets the
+        # Every rank takes one step per clock (BSP): the session packs a round's real steps at its start and lets the
         # server close rounds (see the module docstring).
         rule = make_rule()
         self.lockstep = bool(rule.lockstep)
@@ -88,7 +88,7 @@ class ParameterServerScheme(ModelAveraging):
         self._params: list[Tensor] = []
         self._base: Tensor | None = None  # the flat parameters this rank last received
         self._since = time.perf_counter()
-        # The loader whose rounds a lockstep rule closes (set by the driver); ``None``: every push says "more".
+        # The loader whose rounds a lockstep rule closes (set by the session); ``None``: every push says "more".
         self.round_steps: RoundSteps | None = None
         # The last fit's server figures, kept after it stopped: the staleness of every grant of this rank's shard,
         # the replies it held back, this worker's seconds in round trips, and the rule's state switches (DASP).

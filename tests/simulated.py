@@ -1,5 +1,5 @@
 """Simulated time for the pure round machinery: a settable clock, a lap clock on it, and a rank's loader wired to its
-round controller as ``RoundDriver.wrap_dataloader`` wires them."""
+round controller as ``FitSession.wrap_dataloader`` wires them."""
 
 from __future__ import annotations
 
