@@ -5,8 +5,6 @@ parameter-server paradigms ``"bsp"``, ``"asp"``, ``"ssp"``, ``"dssp"`` and ``"da
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning.pytorch.strategies import StrategyRegistry
 
 # First: refuses an unsupported Lightning release before anything touches its internals.
@@ -29,7 +27,7 @@ from lightning_oscars.paradigms import (
 from lightning_oscars.partition import EpochPlan, plan_rounds, planned_slots, round_quotas
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.rounds import RoundController, RoundOutcome
-from lightning_oscars.schemes import ModelAveraging, SyncScheme, adaptive_rounds, every_step, fixed_period
+from lightning_oscars.schemes import ModelAveraging, RoundMeeting, SyncScheme
 from lightning_oscars.solver import (
     Schedule,
     schedule_from_local_steps,
@@ -54,6 +52,7 @@ __all__ = [
     "RipplesStrategy",
     "RoundController",
     "RoundOutcome",
+    "RoundMeeting",
     "RoundRecord",
     "SSPStrategy",
     "StepSyncStrategy",
@@ -63,10 +62,7 @@ __all__ = [
     "SchedulePolicy",
     "SlowdownProfile",
     "SyncScheme",
-    "adaptive_rounds",
     "check_lightning_version",
-    "every_step",
-    "fixed_period",
     "plan_rounds",
     "planned_slots",
     "round_metrics",
@@ -77,18 +73,6 @@ __all__ = [
     "summarize_history",
 ]
 
-_REGISTERED: dict[str, tuple[str, dict[str, Any]]] = {
-    "oscars": ("Load-balanced local SGD (Oscars), exact communication-aware solver", {}),
-    "oscars_alg1": ("Load-balanced local SGD with the paper's Algorithm 1 solver", {"solver": "alg1"}),
-    "local_sgd": ("Fixed-period local SGD: the same local steps on every rank", {"solver": "uniform"}),
-    "every_step_averaging": (
-        "Model averaging after every optimizer step (ddp's trajectory for plain SGD, without DDP's wrapper)",
-        {"solver": "uniform", "max_local_steps": 1},
-    ),
-}
-for _name, (_description, _params) in _REGISTERED.items():
-    if _name not in StrategyRegistry:
-        StrategyRegistry.register(_name, OscarsStrategy, description=_description, **_params)
-for _name, (_cls, _description) in PARADIGMS.items():
-    if _name not in StrategyRegistry:
-        StrategyRegistry.register(_name, _cls, description=_description)
+_STRATEGIES: list[type[OscarsStrategy]] = [OscarsStrategy, *(_cls for _cls, _ in PARADIGMS.values())]
+for _strategy in _STRATEGIES:
+    _strategy.register_strategies(StrategyRegistry)

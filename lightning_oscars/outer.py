@@ -25,8 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_oscars.policy import SchedulePolicy
-from lightning_oscars.schemes import ModelAveraging
+from lightning_oscars.schemes import ModelAveraging, RoundMeeting
 
 __all__ = ["OuterNesterovAveraging", "outer_nesterov_step"]
 
@@ -48,21 +47,18 @@ class OuterNesterovAveraging(ModelAveraging):
     """Model averaging followed by an outer Nesterov-SGD step on the pseudo-gradient (see the module docstring).
 
     Args:
-        policy: the schedule policy (how many local steps per round).
         lr: outer learning rate (1.0 with ``mu=0`` is plain averaging).
         mu: outer momentum.
     """
 
     name = "outer_nesterov"
 
-    def __init__(
-        self, policy: SchedulePolicy, lr: float = 0.7, mu: float = 0.9, device: torch.device | str = "cpu"
-    ) -> None:
+    def __init__(self, lr: float = 0.7, mu: float = 0.9, device: torch.device | str | None = None) -> None:
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0.0 < lr <= 10.0:
             raise ValueError(f"outer_lr must lie in (0, 10], got {lr!r}")
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0.0 <= mu < 1.0:
             raise ValueError(f"outer_momentum must lie in [0, 1), got {mu!r}")
-        super().__init__(policy, device)
+        super().__init__(device)
         self.lr = float(lr)
         self.mu = float(mu)
         self._trainable: set[int] = set()
@@ -74,8 +70,8 @@ class OuterNesterovAveraging(ModelAveraging):
         """The tensors that take the outer step: the module's trainable parameters (called once per fit)."""
         self._trainable = {id(p) for p in parameters}
 
-    def synchronize(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
-        summed = super().synchronize(tensors, control, weight_index)
+    def combine(self, tensors: Sequence[Tensor], meeting: RoundMeeting) -> None:
+        self.average(tensors, meeting)
         targets = [t for t in tensors if id(t) in self._trainable]
         if self._pending is not None:
             self._restore(targets)
@@ -83,9 +79,8 @@ class OuterNesterovAveraging(ModelAveraging):
             # the first averaging (or the parameters changed): it sets the common start point
             self._start = [t.detach().clone() for t in targets]
             self._momentum = [torch.zeros_like(t) for t in targets]
-            return summed
+            return
         outer_nesterov_step(self._start, [t.data for t in targets], self._momentum, self.lr, self.mu)
-        return summed
 
     def _restore(self, targets: Sequence[Tensor]) -> None:
         state, self._pending = self._pending, None

@@ -13,7 +13,7 @@ a few passes over the model in memory instead of the model's transfer, and the m
 training: each is the last round's mean plus one round of its own steps.
 
 Where Lightning needs the models equal (validation, a checkpoint, an epoch's end, the end of fit) the session calls
-:meth:`OverlappedAveraging.synchronize`: the pending mean is applied, then the models are averaged at once, as
+:meth:`OverlappedAveraging.combine`: the pending mean is applied, then the models are averaged at once, as
 without overlap. It costs one extra flat copy of the averaged floating-point tensors besides the flat buffer.
 """
 
@@ -27,8 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_oscars.averaging import FlatAverager, chunks
-from lightning_oscars.policy import SchedulePolicy
-from lightning_oscars.schemes import ModelAveraging
+from lightning_oscars.schemes import ModelAveraging, RoundMeeting
 
 __all__ = ["LateAverage", "OverlappedAveraging"]
 
@@ -107,14 +106,14 @@ class LateAverage:
 class OverlappedAveraging(ModelAveraging):
     """Model averaging whose round-end all-reduce overlaps the next round (see the module docstring).
 
-    :meth:`synchronize_late` (a round's end) posts the models and returns the summed control data; the mean is
-    applied at the next call. :meth:`synchronize` (validation, checkpoints, an epoch's end) leaves the models equal.
+    :meth:`combine_late` (a round's end) has the control data summed at once and posts the models; the mean is
+    applied at the next call. :meth:`combine` (validation, checkpoints, an epoch's end) leaves the models equal.
     """
 
     name = "overlapped_averaging"
 
-    def __init__(self, policy: SchedulePolicy, device: torch.device | str = "cpu", group: Any = None) -> None:
-        super().__init__(policy, device, group)
+    def __init__(self, device: torch.device | str | None = None, group: Any = None) -> None:
+        super().__init__(device, group)
         self._late: LateAverage | None = None
         self.applied_late = 0  # averagings of this fit that reached the models one round late
 
@@ -125,21 +124,19 @@ class OverlappedAveraging(ModelAveraging):
     def settled(self) -> bool:
         return self._late is None or not self._late.in_flight
 
-    def synchronize(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
+    def combine(self, tensors: Sequence[Tensor], meeting: RoundMeeting) -> None:
         self._apply_late()
-        return super().synchronize(tensors, control, weight_index)
+        self.average(tensors, meeting)
 
-    def synchronize_late(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
+    def combine_late(self, tensors: Sequence[Tensor], meeting: RoundMeeting) -> None:
         self._apply_late()
-        summed = torch.tensor(list(control), dtype=torch.float64, device=self.device)
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group)
+        meeting.sum_now()  # before the models are posted: the next round's schedule must not wait behind them
         late = self._late
         # Rebuilt when the set of tensors changes (a parameter gets its first optimizer state, LBFGS replaces its
         # state tensors): every rank sees the same change at the same round.
         if late is None or not late.holds(tensors):
-            late = self._late = LateAverage(tensors, self.device)
-        late.post(control[weight_index], self.group)
-        return summed.tolist()
+            late = self._late = LateAverage(tensors, self.device or meeting.device)
+        late.post(meeting.weight, self.group)
 
     def _apply_late(self) -> None:
         if self._late is not None and self._late.in_flight:

@@ -81,6 +81,7 @@ class StepSyncStrategy(OscarsStrategy):
     """
 
     strategy_name = "step_sync"
+    description = ""  # abstract: a concrete paradigm's line in Lightning's strategy registry
     not_served = _NOT_SERVED  # options of oscars refused, with why
 
     def __init__(
@@ -144,13 +145,14 @@ class ParameterServerStrategy(StepSyncStrategy):
         raise NotImplementedError
 
     def make_scheme(self) -> SyncScheme:
-        return ParameterServerScheme(self.make_policy(), self.make_rule, timeout_s=self.timeout_s)
+        return ParameterServerScheme(self.make_rule, timeout_s=self.timeout_s)
 
 
 class BSPStrategy(ParameterServerStrategy):
     """Bulk synchronous parallel: every worker waits for every other after each iteration."""
 
     strategy_name = "bsp"
+    description = "Parameter server, bulk synchronous (everybody waits for the slowest every iteration)"
 
     def make_rule(self) -> StalenessRule:
         return BSP()
@@ -160,6 +162,7 @@ class ASPStrategy(ParameterServerStrategy):
     """Asynchronous parallel: nobody ever waits; a worker continues from whatever the server holds."""
 
     strategy_name = "asp"
+    description = "Parameter server, asynchronous (nobody waits)"
 
     def make_rule(self) -> StalenessRule:
         return ASP()
@@ -170,6 +173,7 @@ class SSPStrategy(ParameterServerStrategy):
     ahead of the slowest."""
 
     strategy_name = "ssp"
+    description = "Parameter server, stale synchronous (at most `staleness` updates ahead of the slowest)"
 
     def __init__(self, staleness: int = 3, **kwargs: Any) -> None:
         self.staleness = staleness
@@ -184,6 +188,7 @@ class DSSPStrategy(ParameterServerStrategy):
     iteration times (the rule is written down in ``staleness.py``)."""
 
     strategy_name = "dssp"
+    description = "Parameter server, dynamic SSP (threshold in [s_low, s_low + s_range] from the speeds)"
 
     def __init__(self, s_low: int = 3, s_range: int = 12, **kwargs: Any) -> None:
         self.s_low, self.s_range = s_low, s_range
@@ -198,6 +203,7 @@ class DASPStrategy(ParameterServerStrategy):
     speed (``leave`` / ``rejoin`` times the synchronous workers' median, for ``patience`` pushes; ``staleness.py``)."""
 
     strategy_name = "dasp"
+    description = "Parameter server, dynamic adaptive (slow workers leave the synchronous group)"
 
     def __init__(self, leave: float = 1.5, rejoin: float = 1.2, patience: int = 2, **kwargs: Any) -> None:
         self.leave, self.rejoin, self.patience = leave, rejoin, patience
@@ -232,6 +238,7 @@ class RipplesStrategy(StepSyncStrategy):
     """
 
     strategy_name = "ripples"
+    description = "Decentralized: partial all-reduce with a group after every step (Ripples)"
 
     def __init__(
         self,
@@ -267,14 +274,11 @@ class RipplesStrategy(StepSyncStrategy):
             "tolerance": self.tolerance,
             "seed": self.seed if self.seed is not None else 0,
         }
-        return RipplesScheme(self.make_policy(), options, timeout_s=self.timeout_s, overlap=self.overlap)
+        return RipplesScheme(options, timeout_s=self.timeout_s, overlap=self.overlap)
 
 
+# The registered paradigms, by name: each class registers itself (``register_strategies``).
 PARADIGMS: dict[str, tuple[type[StepSyncStrategy], str]] = {
-    "bsp": (BSPStrategy, "Parameter server, bulk synchronous (everybody waits for the slowest every iteration)"),
-    "asp": (ASPStrategy, "Parameter server, asynchronous (nobody waits)"),
-    "ssp": (SSPStrategy, "Parameter server, stale synchronous (at most `staleness` updates ahead of the slowest)"),
-    "dssp": (DSSPStrategy, "Parameter server, dynamic SSP (threshold in [s_low, s_low + s_range] from the speeds)"),
-    "dasp": (DASPStrategy, "Parameter server, dynamic adaptive (slow workers leave the synchronous group)"),
-    "ripples": (RipplesStrategy, "Decentralized: partial all-reduce with a group after every step (Ripples)"),
+    cls.strategy_name: (cls, cls.description)
+    for cls in (BSPStrategy, ASPStrategy, SSPStrategy, DSSPStrategy, DASPStrategy, RipplesStrategy)
 }

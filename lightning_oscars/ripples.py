@@ -33,8 +33,7 @@ from torch import Tensor
 from lightning_oscars._c10d import default_store, new_gloo_group, retire_group
 from lightning_oscars.averaging import add_flat, flat_copy, load_flat
 from lightning_oscars.groups import GroupBoard, meetings
-from lightning_oscars.policy import SchedulePolicy
-from lightning_oscars.schemes import ModelAveraging
+from lightning_oscars.schemes import ModelAveraging, RoundMeeting
 
 __all__ = ["GroupClient", "GroupCoordinator", "GroupExchange", "RipplesScheme"]
 
@@ -163,7 +162,6 @@ class RipplesScheme(ModelAveraging):
     """A partial all-reduce with the worker's group after every real step; a global average at every round's end.
 
     Args:
-        policy: the rounds' policy (deadline rounds, sized from its solved schedule).
         board_options: :class:`~lightning_oscars.groups.GroupBoard`'s options (``group_size``, ``generator``,
             ``buffer_size``, ``tolerance``, ``seed``).
         device: where the round-end all-reduce runs.
@@ -179,13 +177,12 @@ class RipplesScheme(ModelAveraging):
 
     def __init__(
         self,
-        policy: SchedulePolicy,
         board_options: dict[str, Any],
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         timeout_s: float = 1800.0,
         overlap: bool = True,
     ) -> None:
-        super().__init__(policy, device)
+        super().__init__(device)
         self.board_options = dict(board_options)
         self.timeout_s = timeout_s
         self.overlap = overlap
@@ -251,14 +248,14 @@ class RipplesScheme(ModelAveraging):
         self._perform(members, self.overlap)
         self.waited_s += time.perf_counter() - started
 
-    def synchronize(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
+    def combine(self, tensors: Sequence[Tensor], meeting: RoundMeeting) -> None:
         if self.client is not None:
             started = time.perf_counter()
             self._finish_pending()  # before the buffer's rest: a member's exchanges complete in the buffer's order
             for members in self.client.end_round():  # members still count on this rank for these
                 self._perform(members)
             self.waited_s += time.perf_counter() - started
-        return super().synchronize(tensors, control, weight_index)
+        self.average(tensors, meeting)
 
     def release(self) -> None:
         super().release()

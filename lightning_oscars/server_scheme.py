@@ -4,7 +4,7 @@ Rounds are deadline rounds (``deadline.py``): under a staleness rule a rank's st
 advance, so each rank trains while its next step fits before the round's deadline. After every real optimizer
 step the rank pushes the step's delta to the in-job parameter server (``param_server.py``) and continues from the
 parameters it returns, once the rule lets it (:meth:`ParameterServerScheme.after_step`). At the round's end
-(:meth:`ParameterServerScheme.synchronize`, on every rank) the rank first tells the servers its round is over (it
+(:meth:`ParameterServerScheme.combine`, on every rank) the rank first tells the servers its round is over (it
 then holds nobody back, so a rank waiting on it is released and reaches the collective too), then one all-reduce
 carries the control data and averages what the server does not hold (buffers, averaged copies), then every rank
 loads the server's parameters: validation, checkpoints and the end of fit see one model. Clocks restart at every
@@ -31,9 +31,10 @@ from torch import Tensor
 
 from lightning_oscars.averaging import flat_copy, load_flat
 from lightning_oscars.faults import FailureBoard
+from lightning_oscars.loader import LoadBalancedLoader
 from lightning_oscars.param_server import ParameterServer
-from lightning_oscars.policy import SchedulePolicy
-from lightning_oscars.schemes import ModelAveraging
+from lightning_oscars.rounds import RoundController
+from lightning_oscars.schemes import ModelAveraging, RoundMeeting
 from lightning_oscars.staleness import StalenessRule
 
 __all__ = ["ParameterServerScheme"]
@@ -60,7 +61,6 @@ class ParameterServerScheme(ModelAveraging):
     """Push and pull after every real step under ``make_rule()``'s staleness rule; meet at every round's end.
 
     Args:
-        policy: the rounds' policy (deadline rounds are sized from its solved schedule).
         make_rule: a fresh staleness rule for one fit.
         device: where the round-end all-reduce runs.
         timeout_s: the longest a worker waits for a server before it names the rank.
@@ -71,12 +71,11 @@ class ParameterServerScheme(ModelAveraging):
 
     def __init__(
         self,
-        policy: SchedulePolicy,
         make_rule: Callable[[], StalenessRule],
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         timeout_s: float = 600.0,
     ) -> None:
-        super().__init__(policy, device)
+        super().__init__(device)
         self.make_rule = make_rule
         # Every rank takes one step per clock (BSP): the session packs a round's real steps at its start and lets the
         # server close rounds (see the module docstring).
@@ -93,6 +92,17 @@ class ParameterServerScheme(ModelAveraging):
         # The last fit's server figures, kept after it stopped: the staleness of every grant of this rank's shard,
         # the replies it held back, this worker's seconds in round trips, and the rule's state switches (DASP).
         self.report: dict[str, Any] = {}
+
+    def shape_rounds(self, rounds: RoundController) -> None:
+        if self.max_lead is not None:  # BSP: equal steps; SSP, DSSP: at most the bound and one more
+            rounds.step_spread = self.max_lead + (0 if self.lockstep else 1)
+        if self.lockstep and rounds.pacer is not None:
+            # A lockstep round ends for everybody at the first rank that takes no further step (module docstring):
+            # real steps packed at the round's start keep "no further step" from meaning "a no-op slot in between".
+            rounds.pacer.packed = True
+
+    def adopt_loader(self, loader: LoadBalancedLoader) -> None:
+        self.round_steps = loader  # the server closes this loader's rounds
 
     def bind(self, parameters: Iterable[Tensor]) -> None:
         """Start this fit's server (collective: every rank, at the same point) from the module's parameters."""
@@ -126,18 +136,18 @@ class ParameterServerScheme(ModelAveraging):
                 steps.close_round()
         self._since = time.perf_counter()
 
-    def synchronize(self, tensors: Sequence[Tensor], control: Sequence[float], weight_index: int) -> list[float]:
+    def combine(self, tensors: Sequence[Tensor], meeting: RoundMeeting) -> None:
         server = self.server
         if server is None:
-            return super().synchronize(tensors, control, weight_index)
+            self.average(tensors, meeting)
+            return
         server.end_round()  # nobody waits for this rank any more this round
         held = {id(p) for p in self._params}
-        summed = super().synchronize([t for t in tensors if id(t) not in held], control, weight_index)
+        self.average([t for t in tensors if id(t) not in held], meeting)
         # Everybody is past the all-reduce, so every push of the round has been applied; the pull returns that
         # state even to a rank that pulls after a faster one pushed again: every rank starts the round from it.
         self._load(server.pull())
         self._since = time.perf_counter()
-        return summed
 
     def release(self) -> None:
         super().release()

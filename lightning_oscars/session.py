@@ -10,7 +10,8 @@ checkpoint is written. Every private Lightning access goes through ``adapter.py`
 One round, from Lightning's hook to the all-reduce and back::
 
     RoundCallback.on_train_batch_end -> finish_slot -> RoundController.end_slot (round over?)
-      -> average: RoundController.contribution -> Contribution.encode -> SyncScheme.synchronize (one all-reduce)
+      -> average: RoundController.contribution -> Contribution.encode -> SyncScheme.combine (one all-reduce, the
+         RoundMeeting's control data riding in it; or the session sums it apart)
       -> ControlData.decode -> RoundController.absorb (policy.observe, re-plan) -> RoundOutcome -> trainer
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -38,8 +39,7 @@ from lightning_oscars.epoch_metrics import StepValueAgreement, align_epoch_metri
 from lightning_oscars.faults import FailureBoard, describe_collective_failure
 from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, training_set_size
 from lightning_oscars.rounds import RoundController, ends_slot
-from lightning_oscars.schemes import SyncScheme
-from lightning_oscars.server_scheme import ParameterServerScheme
+from lightning_oscars.schemes import RoundMeeting, SyncScheme
 
 __all__ = ["FitSession"]
 
@@ -82,17 +82,10 @@ class FitSession:
         self.loader: LoadBalancedLoader | None = None
         self.step_values = StepValueAgreement()
         self.ended = False
+        scheme.shape_rounds(rounds)
         self._trainer: Trainer | None = None
         self._callbacks: list[Callback] = []
         self._validation_started: float | None = None
-        if isinstance(scheme, ParameterServerScheme):
-            if scheme.max_lead is not None:  # BSP: equal steps; SSP, DSSP: at most the bound and one more
-                rounds.step_spread = scheme.max_lead + (0 if scheme.lockstep else 1)
-            if scheme.lockstep and rounds.pacer is not None:
-                # A lockstep round ends for everybody at the first rank that takes no further step
-                # (server_scheme.py): real steps packed at the round's start keep "no further step" from meaning
-                # "a no-op slot in between".
-                rounds.pacer.packed = True
 
     # ------------------------------------------------------------------ the session's lifecycle
 
@@ -152,8 +145,7 @@ class FitSession:
         loader.max_slots = self.rounds.epoch_slot_bound(loader.total_units)
         loader.pacer = self.rounds.pacer
         loader.warmup_gate = self.rounds.warmup_gate
-        if isinstance(self.scheme, ParameterServerScheme):
-            self.scheme.round_steps = loader  # the server closes this loader's rounds
+        self.scheme.adopt_loader(loader)
         self.loader = loader
         self.rounds.forget_plan()
 
@@ -326,10 +318,11 @@ class FitSession:
         started = time.perf_counter()
         try:
             tensors = self._synchronized_tensors(trainer)
+            meeting = RoundMeeting(mine.encode(n), ControlData.weight_index(n), self._sum_control, device)
             # Where nothing needs the models equal right after, a scheme may let the combination arrive late.
             late = next_slot is not None and rounds.may_combine_late(next_slot)
-            combine = self.scheme.synchronize_late if late else self.scheme.synchronize
-            summed = combine(tensors, mine.encode(n), ControlData.weight_index(n))
+            (self.scheme.combine_late if late else self.scheme.combine)(tensors, meeting)
+            summed = meeting.summed()
         except Exception as error:  # a peer died, raised or hung past the timeout: name it, then stop
             raise RuntimeError(self._collective_failure(error)) from error
         outcome = rounds.absorb(
@@ -350,6 +343,12 @@ class FitSession:
             # A requeue signal (SLURM's SIGUSR1) reached some rank: its handler runs now, on every rank at the same
             # batch, so the checkpoint it writes meets matched collectives.
             self.adapter.run_requeue_handler()
+
+    def _sum_control(self, control: Sequence[float]) -> list[float]:
+        """The control data summed over ranks in one small all-reduce (when the scheme carried it in none)."""
+        summed = torch.tensor(list(control), dtype=torch.float64, device=self.strategy.root_device)
+        torch.distributed.all_reduce(summed, op=torch.distributed.ReduceOp.SUM)
+        return summed.tolist()
 
     def _synchronized_tensors(self, trainer: Trainer) -> list[Tensor]:
         """What a round combines: trainable parameters, buffers, averaged copies of the model kept by callbacks

@@ -30,9 +30,9 @@ from lightning_oscars._c10d import default_store_or_none, destroy_gloo_group_at_
 from lightning_oscars.adapter import LightningAdapter
 from lightning_oscars.control import RoundRecord
 from lightning_oscars.loader import empty_batch
-from lightning_oscars.policy import Solver
+from lightning_oscars.policy import SchedulePolicy, Solver
 from lightning_oscars.rounds import RoundController
-from lightning_oscars.schemes import ModelAveraging, SyncScheme, every_step
+from lightning_oscars.schemes import ModelAveraging, SyncScheme
 from lightning_oscars.session import FitSession
 from lightning_oscars.solver import DEFAULT_MAX_SPREAD, Schedule
 from lightning_oscars.strategy_options import OscarsOptions, check_ddp_wrapper_options
@@ -97,6 +97,18 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
     """
 
     strategy_name = "oscars"
+    # What ``register_strategies`` registers: a subclass that sets ``strategy_name`` and ``description`` registers
+    # that name; this class registers several named configurations (name -> (description, options)).
+    description = ""
+    registered_names: dict[str, tuple[str, dict[str, Any]]] = {
+        "oscars": ("Load-balanced local SGD (Oscars), exact communication-aware solver", {}),
+        "oscars_alg1": ("Load-balanced local SGD with the paper's Algorithm 1 solver", {"solver": "alg1"}),
+        "local_sgd": ("Fixed-period local SGD: the same local steps on every rank", {"solver": "uniform"}),
+        "every_step_averaging": (
+            "Model averaging after every optimizer step (ddp's trajectory for plain SGD, without DDP's wrapper)",
+            {"solver": "uniform", "max_local_steps": 1},
+        ),
+    }
 
     def __init__(
         self,
@@ -173,6 +185,19 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         self._restored: dict[str, Any] | None = None
         self._checkpoint_written = False  # a checkpoint write's barrier is next
 
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the class in Lightning's strategy registry, as Lightning's own strategies do (the package does it
+        on import for its own): under ``strategy_name`` with ``description``, or under every name of a
+        ``registered_names`` of its own. A class with neither (an abstract base) registers nothing."""
+        names = cls.__dict__.get("registered_names")
+        if names is None:
+            names = {cls.strategy_name: (cls.description, {})} if cls.description else {}
+        for name, (description, options) in names.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **options)
+
     # ------------------------------------------------------------------ public state
 
     @property
@@ -205,7 +230,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
 
     @property
     def schedule(self) -> Schedule | None:
-        return None if self.scheme is None else self.scheme.policy.schedule
+        return None if self.rounds is None else self.rounds.policy.schedule
 
     @property
     def history(self) -> list[RoundRecord]:
@@ -260,11 +285,9 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             raise ValueError(problem)
         self._end_fit()  # a previous fit on this Trainer that was not torn down, if any
         scheme = self.make_scheme()
-        if isinstance(scheme, ModelAveraging):
-            scheme.device = self.root_device
         store = default_store_or_none()
         rounds = self.make_rounds(
-            scheme,
+            self.make_policy(),
             self.world_size,
             self.global_rank,
             make_clock(self.root_device),
@@ -305,8 +328,9 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
         # every rank at every slot, averaging after every step (ddp's steps for SGD), and its weights are restored
         # after it; this fit's rounds take the loader back at its end (_end_tuner_run).
         self._fit_session = session
-        scheme = every_step(self.root_device)
-        rounds = RoundController(scheme.policy, self.world_size, self.global_rank, clock=make_clock(self.root_device))
+        scheme = ModelAveraging()
+        every_step = SchedulePolicy("uniform", max_local_steps=1)
+        rounds = RoundController(every_step, self.world_size, self.global_rank, clock=make_clock(self.root_device))
         rounds.begin_fit(trainer.max_steps)
         self._session = self._make_session(scheme, rounds, on_training_end=self._end_tuner_run)
         if session.loader is not None:

@@ -101,7 +101,7 @@ class OscarsOptions:
         self.monitor = bool(monitor)
         self.outer_lr = None if outer_lr is None else float(outer_lr)
         self.outer_momentum = float(outer_momentum)
-        OuterNesterovAveraging(policy, 1.0 if outer_lr is None else outer_lr, outer_momentum)  # raises: bad values
+        OuterNesterovAveraging(1.0 if outer_lr is None else outer_lr, outer_momentum)  # raises: bad values
         if not isinstance(overlap_averaging, bool):
             raise ValueError(f"overlap_averaging must be True or False, got {overlap_averaging!r}")
         if overlap_averaging and outer_lr is not None:
@@ -116,22 +116,21 @@ class OscarsOptions:
         followed by an outer Nesterov step when ``outer_lr`` is set, or overlapped with the next round when
         ``overlap_averaging`` is."""
         if self.overlap_averaging:
-            return OverlappedAveraging(self.make_policy())
+            return OverlappedAveraging()
         if self.outer_lr is None:
-            return ModelAveraging(self.make_policy())
-        return OuterNesterovAveraging(self.make_policy(), self.outer_lr, self.outer_momentum)
+            return ModelAveraging()
+        return OuterNesterovAveraging(self.outer_lr, self.outer_momentum)
 
     def make_rounds(
         self,
-        scheme: SyncScheme,
+        policy: SchedulePolicy,
         world_size: int,
         rank: int,
         clock: LapClock | None = None,
         counter: Callable[[int], int] | None = None,
     ) -> RoundController:
-        """The round controller of one fit with ``scheme``: sample weighting, deadline rounds and the time-boxed
+        """The round controller of one fit under ``policy``: sample weighting, deadline rounds and the time-boxed
         warm-up as configured (the warm-up needs ``counter``, shared by the ranks; see ``warmup.py``)."""
-        policy = scheme.policy
         gate = None
         if self.timed_warmup and counter is not None and world_size > 1:
             gate = WarmupGate(world_size, counter)

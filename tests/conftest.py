@@ -18,3 +18,18 @@ def one_rank_group(tmp_path):
     yield
     if created:
         dist.destroy_process_group()
+
+
+def meeting(control, weight_index=0, group=None):
+    """A round's meeting as the fit session makes it: the control data summed over ``group`` (default: every rank)
+    in its own all-reduce unless the scheme carried it."""
+    import torch
+
+    from lightning_oscars.schemes import RoundMeeting
+
+    def sum_control(values):
+        summed = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(summed, group=group)
+        return summed.tolist()
+
+    return RoundMeeting(control, weight_index, sum_control)

@@ -371,6 +371,10 @@ def build(case: str, out: Path):
         pass
     elif case == "by_name":
         strategy = "oscars"
+    elif case == "gossip_fixture":  # a scheme and strategy written outside the package, registered by the fixture
+        import gossip_fixture  # noqa: F401 - registers "pair_gossip"
+
+        strategy = "pair_gossip"
     elif case == "alg1_samples":
         strategy = OscarsStrategy(solver="alg1", averaging="samples", average_optimizer_state=True, warmup_steps=2)
     elif case == "local_sgd":
@@ -760,6 +764,8 @@ def run_one(case: str, out: Path) -> None:
     scheme = getattr(s, "scheme", None)
     if isinstance(s, ParameterServerStrategy) and scheme is not None:
         result["ps"] = scheme.report  # type: ignore[attr-defined]
+    if hasattr(scheme, "meetings"):
+        result["scheme_meetings"] = scheme.meetings  # type: ignore[union-attr]
     if hasattr(scheme, "applied_late"):
         result["applied_late"] = scheme.applied_late  # type: ignore[union-attr]
     if isinstance(s, RipplesStrategy) and scheme is not None:

@@ -77,6 +77,7 @@ def _assert_group_gone(pgid: int, case: str, grace: float = 15.0) -> None:
 BATCHES = {
     "features": (
         "by_name",
+        "gossip_fixture",
         "alg1_samples",
         "local_sgd",
         "pinned",
@@ -181,6 +182,14 @@ def test_basic_balance_coverage_and_one_collective_per_round(tmp_path, tmp_path_
 def test_registered_by_name(tmp_path, tmp_path_factory):
     fast, slow = finished("by_name", tmp_path, tmp_path_factory)
     assert fast["num_averagings"] > 0 and fast["steps_taken"] > slow["steps_taken"]
+
+
+def test_a_scheme_written_outside_the_package_trains(tmp_path, tmp_path_factory):
+    # tests/gossip_fixture.py: a scheme that carries no control data, so the fit session sums it itself.
+    fast, slow = finished("gossip_fixture", tmp_path, tmp_path_factory)  # equal weights: the pair is both ranks
+    assert fast["seen"] + slow["seen"] == 1024, "every sample once per epoch"
+    assert fast["num_averagings"] > 1 and fast["steps_taken"] > slow["steps_taken"], "balanced rounds"
+    assert fast["scheme_meetings"] == slow["scheme_meetings"] == fast["num_averagings"]
 
 
 def test_alg1_sample_weighted_with_optimizer_state(tmp_path, tmp_path_factory):

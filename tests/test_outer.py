@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import meeting
 from torch import nn
 
-from lightning_oscars import OscarsStrategy, SchedulePolicy
+from lightning_oscars import OscarsStrategy
 from lightning_oscars.averaging import averaged_tensors
 from lightning_oscars.outer import OuterNesterovAveraging, outer_nesterov_step
 
@@ -28,27 +29,27 @@ def test_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():
 def test_scheme_applies_the_outer_step_to_trainable_parameters_only(one_rank_group):
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     model[0].bias.requires_grad_(False)
-    scheme = OuterNesterovAveraging(SchedulePolicy(), lr=0.5, mu=0.5)
+    scheme = OuterNesterovAveraging(lr=0.5, mu=0.5)
     scheme.bind(p for p in model.parameters() if p.requires_grad)
     tensors = averaged_tensors(model)
     control = [1.0]
-    scheme.synchronize(tensors, control, 0)  # the first averaging sets the start point
+    scheme.combine(tensors, meeting(control))  # the first averaging sets the start point
     start = model[0].weight.detach().clone()
     with torch.no_grad():
         model[0].weight.add_(-1.0)  # local progress of one round: pseudo-gradient +1 everywhere
         model[1].running_mean.add_(3.0)
-    scheme.synchronize(tensors, control, 0)
+    scheme.combine(tensors, meeting(control))
     # g = 1, m = 1, x = start - 0.5 * (1 + 0.5 * 1) = start - 0.75: more than the plain average's 0.5 ... 1.0 step
     assert torch.allclose(model[0].weight, start - 0.75)
     assert torch.allclose(model[1].running_mean, torch.full((2,), 3.0))  # buffers: averaged only
     state = scheme.state_dict()
-    resumed = OuterNesterovAveraging(SchedulePolicy(), lr=0.5, mu=0.5)
+    resumed = OuterNesterovAveraging(lr=0.5, mu=0.5)
     resumed.bind(p for p in model.parameters() if p.requires_grad)
     resumed.load_state_dict(state)
     with torch.no_grad():
         model[0].weight.add_(-1.0)
     here = model[0].weight.detach().clone()
-    resumed.synchronize(tensors, control, 0)
+    resumed.combine(tensors, meeting(control))
     # the momentum survived the checkpoint: m = 0.5 * 1 + 1 = 1.5, step = 0.5 * (1 + 0.75)
     assert torch.allclose(model[0].weight, here + 1.0 - 0.875)
 

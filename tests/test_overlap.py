@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import meeting
 from torch import Tensor, nn
 
-from lightning_oscars import OscarsStrategy, SchedulePolicy
+from lightning_oscars import OscarsStrategy
 from lightning_oscars.averaging import FlatAverager, averaged_tensors
 from lightning_oscars.overlap import LateAverage, OverlappedAveraging
 
@@ -77,22 +78,23 @@ def test_with_no_progress_a_late_average_lands_exactly_where_averaging_at_once_d
 
 def test_the_scheme_posts_at_a_round_end_and_applies_at_the_next_call(one_rank_group):
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-    scheme = OverlappedAveraging(SchedulePolicy())
+    scheme = OverlappedAveraging()
     scheme.bind(model.parameters())
     tensors = averaged_tensors(model)
     assert scheme.settled
-    summed = scheme.synchronize_late(tensors, [2.0, 7.0], 0)
-    assert summed == [2.0, 7.0]  # the control data, summed at once (one rank)
+    first = meeting([2.0, 7.0])
+    scheme.combine_late(tensors, first)
+    assert first._summed == [2.0, 7.0]  # the control data, summed at once (one rank), before the models are posted
     assert not scheme.settled and scheme.applied_late == 0
     posted = model[0].weight.detach().clone()
     with torch.no_grad():
         model[0].weight.add_(1.0)  # the next round's progress, while the average is in flight
-    scheme.synchronize_late(tensors, [2.0, 7.0], 0)  # applies the first (one rank: mean == sent), posts again
+    scheme.combine_late(tensors, meeting([2.0, 7.0]))  # applies the first (one rank: mean == sent), posts again
     assert scheme.applied_late == 1 and not scheme.settled
     assert torch.equal(model[0].weight, posted + 1.0)
-    scheme.synchronize(tensors, [1.0, 0.0], 0)  # validation: applied, then averaged at once
+    scheme.combine(tensors, meeting([1.0, 0.0]))  # validation: applied, then averaged at once
     assert scheme.settled and scheme.applied_late == 2
-    scheme.synchronize_late(tensors, [1.0, 0.0], 0)
+    scheme.combine_late(tensors, meeting([1.0, 0.0]))
     scheme.release()  # a failed fit: dropped without waiting
     assert scheme.settled
 

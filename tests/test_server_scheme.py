@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from conftest import meeting
 from test_averaging import gloo  # noqa: F401 - the one-rank gloo group fixture
 from torch import Tensor, nn
 
-from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.server_scheme import ParameterServerScheme
 from lightning_oscars.staleness import BSP
 
@@ -35,7 +35,7 @@ class RecordingServer:
 
 
 def scheme_on(params: Sequence[Tensor], server: RecordingServer) -> ParameterServerScheme:
-    scheme = ParameterServerScheme(SchedulePolicy(), BSP)
+    scheme = ParameterServerScheme(BSP)
     # bind() without its collective: the parameters and the base they were bound at, then the stand-in server.
     scheme._params = list(params)
     scheme._base = torch.cat([p.detach().reshape(-1).float() for p in params])
@@ -78,8 +78,9 @@ def test_a_buffer_less_model_meets_with_the_control_data_only(gloo):  # noqa: F8
     server = RecordingServer(server_state)
     scheme = scheme_on(params, server)
     scheme.group = gloo
-    summed = scheme.synchronize(params, [2.0, 64.0, 0.0], weight_index=0)
-    assert summed == [2.0, 64.0, 0.0], "the control data was summed over the (one) rank"
+    met = meeting([2.0, 64.0, 0.0], group=gloo)
+    scheme.combine(params, met)
+    assert met._summed == [2.0, 64.0, 0.0], "the control data rode in the scheme's all-reduce over the (one) rank"
     assert server.rounds_ended == 1
     loaded = torch.cat([p.detach().reshape(-1) for p in params])
     assert torch.equal(loaded, server_state), "every rank continues from the server's parameters"
