@@ -35,10 +35,20 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from lightning_oscars.quotas import max_epoch_slots, planned_slots, round_quotas, split_proportionally
+from lightning_oscars.reservations import (
+    deadline_epoch_slots,
+    deadline_reservation,
+    deadline_round_fits,
+    fitting_reservation,
+    held_reservation,
+    reservation_scale,
+    segment_length,
+)
 
 __all__ = [
     "EpochPlan",
@@ -55,85 +65,6 @@ __all__ = [
     "split_proportionally",
     "validations_after_resize",
 ]
-
-
-def split_proportionally(weights: Sequence[float], total: int, caps: Sequence[int], floors: Sequence[int]) -> list[int]:
-    """Integers ``floors[i] <= q[i] <= caps[i]`` summing to ``total`` (clamped to the feasible range),
-    distributed as close to proportional to ``weights`` as the bounds allow (water-filling, then largest
-    remainders; ties go to the lower rank so every rank computes the same answer)."""
-    n = len(weights)
-    if not (len(caps) == len(floors) == n):
-        raise ValueError("weights, caps and floors must have the same length")
-    if any(f > c for f, c in zip(floors, caps)):
-        raise ValueError("every floor must be <= its cap")
-    total = max(sum(floors), min(total, sum(caps)))
-
-    def filled(level: float) -> list[float]:
-        return [min(float(c), max(float(f), level * w)) for w, c, f in zip(weights, caps, floors)]
-
-    lo, hi = 0.0, 1.0
-    while sum(filled(hi)) < total and hi < 1e18:
-        hi *= 2.0
-    for _ in range(100):
-        mid = (lo + hi) / 2.0
-        if sum(filled(mid)) < total:
-            lo = mid
-        else:
-            hi = mid
-    shares = filled(hi)
-    quotas = [max(f, min(c, int(math.floor(s + 1e-9)))) for s, c, f in zip(shares, caps, floors)]
-    missing = total - sum(quotas)
-    order = sorted(range(n), key=lambda i: (-(shares[i] - quotas[i]), i))
-    while missing > 0:
-        progressed = False
-        for i in order:
-            if missing and quotas[i] < caps[i]:
-                quotas[i] += 1
-                missing -= 1
-                progressed = True
-        if not progressed:
-            break
-    order = sorted(range(n), key=lambda i: (shares[i] - quotas[i], -i))
-    while missing < 0:
-        for i in order:
-            if missing and quotas[i] > floors[i]:
-                quotas[i] -= 1
-                missing += 1
-    return quotas
-
-
-def round_quotas(
-    local_steps: Sequence[int], remaining_units: int, remaining_slots: int, length: int | None = None
-) -> list[int]:
-    """Real steps of every rank in the next round.
-
-    Normally ``local_steps`` itself. Near the end of the epoch the quotas shrink to the data that is left;
-    if the remaining slots are too few to use up the remaining data at ``local_steps`` (speeds drifted after
-    the epoch was sized), the quotas grow, up to the round length, so that no data is skipped.
-    Rank ``i`` gets at least one step while ``i < remaining_units``. With ``length`` shorter than the local steps'
-    longest, the round lasts ``length`` slots and the local steps are scaled down to it in proportion (a round that
-    must end before a validation: every rank still does its share of the round's time).
-    """
-    n = len(local_steps)
-    if remaining_units <= 0 or remaining_slots <= 0:
-        return [0] * n
-    longest = max(local_steps)
-    length = min(longest if length is None else max(1, min(length, longest)), remaining_slots)
-    floors = [1 if i < remaining_units else 0 for i in range(n)]
-    caps = [length] * n
-    quotas = [max(f, min(t, length)) for t, f in zip(local_steps, floors)]
-    if length < longest and length < remaining_slots:  # a shortened round, not the epoch's tail: scale
-        share = round(sum(local_steps) * length / longest)
-        quotas = split_proportionally([float(t) for t in local_steps], share, caps, floors)
-    rounds_left = -(-remaining_slots // length)
-    # Spread the backlog over the rounds left, but take now whatever the later slots cannot hold (at most one
-    # unit per rank and slot): the rounds left may be fewer or shorter than full ones at ``local_steps``.
-    backlog = remaining_units - n * (remaining_slots - length)
-    needed = min(remaining_units, max(-(-remaining_units // rounds_left), backlog))
-    if sum(quotas) > remaining_units or sum(quotas) < needed:
-        target = remaining_units if sum(quotas) > remaining_units else needed
-        quotas = split_proportionally([float(t) for t in local_steps], target, caps, floors)
-    return quotas
 
 
 @dataclass(frozen=True)
@@ -173,72 +104,6 @@ class Round:
         first = self.first_unit + sum(1 for q in self.quotas[:rank] if q > 0)
         rest = self.first_unit + starters + sum(q - 1 for q in self.quotas[:rank] if q > 0)
         return [first, *range(rest, rest + self.quotas[rank] - 1)]
-
-
-def deadline_round_fits(reserve: Sequence[int], remaining_units: int, remaining_slots: int) -> bool:
-    """Whether a deadline round reserving ``reserve`` may start: after it at least one unit per rank is left (the
-    next round's first units, fetched before this round is settled, must not be ones it hands back), and even if
-    every rank trained only its first unit the rest still fits in the slots after it (a rank trains at most one
-    unit per slot)."""
-    n = len(reserve)
-    length = max(reserve)
-    return remaining_units - sum(reserve) >= n and remaining_units - n <= n * (remaining_slots - length)
-
-
-def fitting_reservation(
-    reserve: Sequence[int], floor: Sequence[int], remaining_units: int, remaining_slots: int
-) -> tuple[int, ...] | None:
-    """``reserve`` capped at the largest length (down to ``floor``, per rank) at which a deadline round
-    :func:`deadline_round_fits`; ``None`` if not even ``floor`` fits. An epoch too short for a reservation gets a
-    shorter one, not none."""
-    for cap in range(max(reserve), max(floor) - 1, -1):
-        capped = tuple(max(min(r, cap), f) for r, f in zip(reserve, floor))
-        if deadline_round_fits(capped, remaining_units, remaining_slots):
-            return capped
-    return None
-
-
-def segment_length(start_slot: int, longest: int, boundaries: Sequence[int], total_slots: int) -> int | None:
-    """The length of a plain round starting at ``start_slot`` that ends on the next of ``boundaries`` (slots where
-    the epoch averages anyway, before a validation) instead of running past it: the slots up to the boundary cut into
-    equal rounds no longer than ``longest``. ``None`` when no boundary lies within a round's reach, or past it only
-    the epoch's end."""
-    ahead = [b for b in boundaries if start_slot < b < total_slots]
-    if not ahead or min(ahead) - start_slot >= 2 * longest:
-        return None  # rounds of ``longest`` until the boundary is near: the last two share what is left
-    segment = min(ahead) - start_slot
-    rounds = -(-segment // longest)
-    return -(-segment // rounds)
-
-
-def reservation_scale(longest: int, length: int) -> float:
-    """How much of a deadline round reserving up to ``longest`` units is left when it is cut to ``length`` slots:
-    the share of each reservation beyond its first unit (and of the deadline in seconds) that is kept. A reservation
-    is the steps that fit the deadline plus one spare, so scaling the part beyond one keeps a unit for every step
-    that still fits the scaled deadline."""
-    if length >= longest or longest <= 1:
-        return 1.0
-    return max(0, length - 1) / (longest - 1)
-
-
-def held_reservation(reserve: Sequence[int], length: int) -> tuple[int, ...]:
-    """``reserve`` for a deadline round of ``length`` slots (one that ends on a validation boundary): every
-    reservation beyond its first unit scaled by :func:`reservation_scale`, rounded up; the largest is ``length``."""
-    longest = max(reserve)
-    if length >= longest:
-        return tuple(reserve)
-    length = max(1, length)
-    # integer arithmetic: every rank computes the same reservations
-    return tuple(min(length, 1 + -(-(r - 1) * (length - 1) // (longest - 1))) for r in reserve)
-
-
-def deadline_reservation(
-    start_slot: int, reserve: Sequence[int], boundaries: Sequence[int], total_slots: int
-) -> tuple[int, ...]:
-    """What a deadline round starting at ``start_slot`` reserves: ``reserve``, or less when a boundary is near
-    (:func:`segment_length`) so that the round ends on it."""
-    short = segment_length(start_slot, max(reserve), boundaries, total_slots)
-    return tuple(reserve) if short is None else held_reservation(reserve, short)
 
 
 def plan_rounds(
@@ -284,41 +149,6 @@ def plan_rounds(
         slot += length
         unit += sum(quotas)
     return rounds
-
-
-def planned_slots(local_steps: Sequence[int], total_units: int) -> int:
-    """Slots needed to use every unit once when every round follows ``local_steps``."""
-    steps = tuple(local_steps)
-    per_round = sum(steps)
-    full_rounds = total_units // per_round
-    slots = full_rounds * max(steps)
-    left = total_units - full_rounds * per_round
-    if left:
-        slots += max(round_quotas(steps, left, max(steps)))
-    return slots
-
-
-def deadline_epoch_slots(units_per_round: float, length: int, total_units: int) -> int:
-    """Slots of an epoch of deadline rounds of ``length`` slots that train ``units_per_round`` units each, as
-    expected, sized 5% pessimistically: the epoch is cut at its end when the units run out sooner, and a shortfall
-    is caught up by the plain rounds the epoch ends with."""
-    per_round = max(1.0, 0.95 * units_per_round)
-    return math.ceil(total_units / per_round) * length + length
-
-
-def max_epoch_slots(total_units: int, world_size: int, most_steps: int, last_round: int) -> int:
-    """The most slots an epoch of ``total_units`` can need when in every round the busiest rank takes at most
-    ``most_steps`` local steps and every other rank at least one (every schedule either solver returns).
-
-    A round whose busiest rank takes ``m`` steps lasts ``m`` slots and uses at least ``m + world_size - 1``
-    units, so it needs at most ``m / (m + world_size - 1)`` slots per unit, the most at ``m = most_steps``
-    (rounds where everybody takes the same steps need only ``1 / world_size``). Only the epoch's last round
-    can be partial: ``last_round`` bounds its slots. Never more than ``total_units``.
-    """
-    if world_size < 1 or most_steps < 1 or last_round < 0 or total_units < 0:
-        raise ValueError(f"invalid bound arguments: {total_units=}, {world_size=}, {most_steps=}, {last_round=}")
-    full = total_units * most_steps // (most_steps + world_size - 1)
-    return min(total_units, full + last_round)
 
 
 class EpochPlan:

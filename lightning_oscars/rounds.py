@@ -1,8 +1,9 @@
 """The round controller: one fit's rounds, without Lightning and without torch.distributed.
 
-:class:`RoundController` owns what a rank knows about its rounds: the epoch's plan, the step clock, the
-per-round step-time median, the counters since the last averaging, the pending requests (stop, SIGTERM,
-requeue) and the history. The strategy drives it:
+:class:`RoundController` owns what a rank knows about its rounds' slots: the epoch's plan (and its re-plans),
+deadline rounds and the warm-up, the step clock and the per-round step-time median, the counters since the last
+averaging. What every rank agreed on at each averaging (costs, jitters, requests, the history) is its
+:class:`~lightning_oscars.ledger.RoundLedger`. The fit session drives it:
 
 1. :meth:`~RoundController.plan_epoch` at each epoch start;
 2. per slot :meth:`~RoundController.begin_slot` (the slot's data arrived) and :meth:`~RoundController.end_slot`
@@ -15,79 +16,21 @@ requeue) and the history. The strategy drives it:
 from __future__ import annotations
 
 import math
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from lightning_oscars.control import Contribution, ControlData, RankReport, RoundRecord
-from lightning_oscars.deadline import DeadlinePacer, DeadlineRound, plan_deadline, quantile_step
+from lightning_oscars.deadline import DeadlinePacer, DeadlineRound, quantile_step
+from lightning_oscars.deadline_planner import DeadlinePlanner
+from lightning_oscars.ledger import MEDIAN_ERROR, RoundLedger, RoundOutcome, step_jitter
 from lightning_oscars.loader import SlotInfo
-from lightning_oscars.partition import (
-    EpochPlan,
-    Round,
-    deadline_epoch_slots,
-    deadline_reservation,
-    deadline_round_fits,
-    reservation_scale,
-)
+from lightning_oscars.partition import EpochPlan
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.timing import LapClock, StepTimeEstimator, WallClock
 from lightning_oscars.warmup import WarmupGate
 
-# Weight of the newest round in the moving average of every rank's step jitter (deadline rounds).
-JITTER_SMOOTHING = 0.3
-# A MAD of log step times, divided by this, estimates the log-spread (sigma) of lognormal steps.
-_MAD_TO_SIGMA = 0.6745
-
-# Rounds whose measured fixed cost the solver's price is the median of: epoch ends, checkpoint writes and the
-# first round after validation cost more than a plain round, and must not re-solve the schedule each time.
-COST_WINDOW = 9
-
 __all__ = ["RoundController", "RoundOutcome", "ends_slot"]
-
-
-# A sample median's standard error over the spread's sigma, times sqrt(n) (sqrt(pi / 2) for normal noise).
-MEDIAN_ERROR = math.sqrt(math.pi / 2)
-
-
-def step_jitter(seconds: list[float], reference: float) -> float:
-    """The log-spread of a round's step times around the rank's long-run median ``reference`` (a MAD: a round holds
-    too few steps for quartiles); 0 with fewer than two steps."""
-    logs = [abs(math.log(s / reference)) for s in seconds if s > 0.0 and reference > 0.0]
-    return statistics.median(logs) / _MAD_TO_SIGMA if len(logs) >= 2 else 0.0
-
-
-def _needs_other_deadline(plan: EpochPlan, rnd: Round, reserve: tuple[int, ...]) -> bool:
-    """Whether the upcoming round ``rnd`` differs from the deadline round ``reserve`` asks for (a plain round where
-    one would fit: planned before the first deadline was known). A round shortened to end on a validation boundary
-    holds a scaled reservation, and is what ``reserve`` asks for there."""
-    if rnd.deadline:
-        return rnd.quotas != deadline_reservation(rnd.start_slot, reserve, plan.boundary_slots(), plan.total_slots)
-    return deadline_round_fits(reserve, plan.total_units - rnd.first_unit, plan.total_slots - rnd.start_slot)
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    """What an averaging decided, the same on every rank.
-
-    Attributes:
-        record: the round as every rank agreed on it.
-        stop: some rank asked to stop (``should_stop``, an expired ``Timer``).
-        sigterm: some rank received SIGTERM: every rank shuts down at this batch.
-        requeue: some rank received the requeue signal: every rank runs the requeue handler now.
-        rebalanced: a new schedule was adopted.
-        resized: the epoch got shorter (the first schedule cut an epoch sized as an upper bound).
-    """
-
-    record: RoundRecord
-    stop: bool
-    sigterm: bool
-    requeue: bool
-    rebalanced: bool
-    resized: bool
 
 
 def ends_slot(batch_idx: int, batches_per_slot: int, epoch_batches: float) -> bool:
@@ -132,30 +75,17 @@ class RoundController:
         self.warmup_gate = warmup_gate
         self._warmup_planned = False  # the fit's warm-up round was laid out (once per fit)
         self.clock: LapClock = clock if clock is not None else WallClock()
-        self._now = now
-        self.history: list[RoundRecord] = []
-        self.num_averagings = 0
-        self.round_cost = 0.0  # the agreed fixed cost of one round, as the solver prices it
-        self.allreduce_time = 0.0  # the agreed duration of the last all-reduce alone
-        self._costs: deque[float] = deque(maxlen=COST_WINDOW)  # the last rounds' agreed fixed costs
+        self.ledger = RoundLedger(world_size, rank, now)
         self.plan: EpochPlan | None = None
         self.planned_epoch = -1
         self._slot_bound: int | None = None  # the loader's length: an epoch re-sized mid-way never outgrows it
         self.slot = SlotInfo(True, 0)
         self.failed = False  # this rank raised or its all-reduce broke: skip every further collective
-        self._started = now()
-        self._excluded = 0.0  # seconds of validation since the start: not training time
-        self._round_started: float | None = None  # when this rank's current round began (last averaging's end)
-        self._last_overhead = 0.0
         self._medians = StepTimeEstimator(smoothing=1.0)  # the round's median; the policy smooths across rounds
-        self._last_allreduce = 0.0
         self._upper_bound = False
         self._replan_pending = False
-        self._stop = self._sigterm = self._requeue = False
         self._round_units = 0  # units this rank trained in the current round (across extra averagings)
-        self.jitter = [0.0] * world_size  # every rank's smoothed step log-spread, agreed (deadline rounds)
-        self.deadline_round: DeadlineRound | None = None
-        self._deadline_key: tuple | None = None
+        self._deadlines = DeadlinePlanner()
         # The most local steps a rank may take beyond the fewest (``None``: any). A scheme whose rule bounds the
         # lead sets it (0 under BSP: one step per clock for everybody), so that no round's plan gives a rank steps
         # it could only take by running past the bound; in a plain round (the warm-up, an epoch's tail) the
@@ -171,23 +101,27 @@ class RoundController:
 
     # ------------------------------------------------------------------ fit and epochs
 
+    @property
+    def history(self) -> list[RoundRecord]:
+        """Every averaging of the fit, as all ranks agreed on it."""
+        return self.ledger.history
+
+    @property
+    def num_averagings(self) -> int:
+        return self.ledger.num_averagings
+
     def begin_fit(self, max_steps: int | None = None) -> None:
         self.policy.begin(self.world_size, max_steps)
-        self._started = self._now()
-        self._excluded = 0.0
-        self._round_started = None
-        self._costs.clear()
+        self.ledger.begin_fit()
         self._warmup_planned = False
 
     def exclude_time(self, seconds: float) -> None:
         """``seconds`` just spent outside training (validation, a checkpoint write): the records' ``time`` leaves them
         out, and neither a step nor the round's fixed cost includes them."""
-        self._excluded += max(0.0, seconds)
+        self.ledger.exclude_time(seconds)
         self._chained = False
         if self.pacer is not None:
             self.pacer.shift(seconds)
-        if self._round_started is not None:  # validation is not part of the round's cost either
-            self._round_started += max(0.0, seconds)
 
     @property
     def local_steps(self) -> tuple[int, ...]:
@@ -198,23 +132,18 @@ class RoundController:
         most = min(steps) + self.step_spread
         return tuple(min(t, most) for t in steps)
 
+    @property
+    def deadline_round(self) -> DeadlineRound | None:
+        """The deadline rounds' parameters (``None``: plain rounds, or no schedule yet)."""
+        return self._deadlines.deadline_round if self.pacer is not None else None
+
     def _update_deadline(self) -> DeadlineRound | None:
-        """The deadline rounds' parameters (``None``: plain rounds), re-planned when the schedule, a step time (by
-        5%) or a jitter (by 0.02) moved: every rank has the same figures, so every rank re-plans at the same round."""
-        times = self.policy.estimate
-        if self.pacer is None or not self.policy.solved or not times or min(times) <= 0.0:
+        if self.pacer is None or not self.policy.solved:
             return None
-        key = (
-            self.local_steps,
-            tuple(round(math.log(t) / 0.05) for t in times),
-            tuple(round(s / 0.02) for s in self.jitter),
+        ledger = self.ledger
+        return self._deadlines.update(
+            self.policy.estimate, ledger.jitter, self.local_steps, ledger.round_cost, self.policy.max_local_steps
         )
-        if key != self._deadline_key:
-            self._deadline_key = key
-            self.deadline_round = plan_deadline(
-                times, self.jitter, self.local_steps, self.round_cost, self.policy.max_local_steps
-            )
-        return self.deadline_round
 
     @property
     def reserve(self) -> tuple[int, ...] | None:
@@ -224,9 +153,7 @@ class RoundController:
 
     def _deadline_slots(self, total_units: int) -> int | None:
         deadline = self._update_deadline()
-        if deadline is None:
-            return None
-        return deadline_epoch_slots(deadline.expected_units, max(deadline.reserve), total_units)
+        return None if deadline is None else DeadlinePlanner.epoch_slots(deadline, total_units)
 
     def epoch_slot_bound(self, total_units: int) -> int:
         """The loader's length: the most slots an epoch can take. Deadline rounds last their largest reservation,
@@ -268,7 +195,7 @@ class RoundController:
             self._round_units = 0
             deadline = self.deadline_round
             if self.pacer is not None and deadline is not None:  # started at the last epoch's end, for a full round
-                self.pacer.deadline_s = deadline.deadline_s * self._deadline_scale(0, deadline)
+                self.pacer.deadline_s = deadline.deadline_s * DeadlinePlanner.scale(self.plan, 0, deadline)
         else:
             plan.boundaries = boundaries  # restored: its later re-plans end rounds at validation too
         self._replan_pending = False
@@ -333,19 +260,6 @@ class RoundController:
         """Whether a rank trained since the last averaging (the same answer on every rank)."""
         return self._slots_since_average > 0 and not self.failed
 
-    # ------------------------------------------------------------------ requests
-
-    def request_stop(self) -> None:
-        self._stop = True
-
-    def request_sigterm(self) -> bool:
-        """Record a SIGTERM; return whether it is the first."""
-        first, self._sigterm = not self._sigterm, True
-        return first
-
-    def request_requeue(self) -> None:
-        self._requeue = True
-
     # ------------------------------------------------------------------ the averaging
 
     def contribution(self, global_step: int, stop: bool = False) -> Contribution:
@@ -364,93 +278,57 @@ class RoundController:
             jitter = step_jitter(steps, known if known > 0.0 else median)
         # How well the round measured this rank's speed: the median's standard error (~1.25 sigma / sqrt(n)).
         error = MEDIAN_ERROR * step_jitter(steps, median) / math.sqrt(len(steps)) if median > 0.0 else 0.0
+        ledger = self.ledger
         report = RankReport(
             median,
             self._round_samples,
             compute,
-            self._last_allreduce,
+            ledger.last_allreduce,
             global_step,
-            self._last_overhead,
+            ledger.last_overhead,
             self._round_units,
             jitter,
             error,
         )
         weight = float(self._round_samples) if self.weighted else 1.0
-        return Contribution(self.rank, report, weight, self._stop or stop, self._sigterm, self._requeue)
+        return Contribution(self.rank, report, weight, ledger.stop or stop, ledger.sigterm, ledger.requeue)
 
     def absorb(
         self, summed: ControlData, *, allreduce_s: float, epoch: int, global_step: int, next_slot: int | None
     ) -> RoundOutcome:
         """Everyone's control data arrived (and the models were combined): update the schedule, maybe re-plan
         the rest of the epoch from ``next_slot`` (``None`` for an extra averaging inside a round)."""
-        self._last_allreduce = allreduce_s
-        self.num_averagings += 1
-        steps = {r.global_step for r in summed.ranks}
-        if len(steps) > 1:
-            raise RuntimeError(
-                f"Ranks disagree on global_step ({sorted(steps)}). Under manual optimization oscars needs every"
-                " training_step to call optimizer.step() the same number of times."
-            )
-        costs = [r.allreduce for r in summed.ranks if r.allreduce > 0.0]
-        if costs:  # the last rank to arrive waits least: its duration is the closest to the transfer cost
-            self.allreduce_time = min(costs)
-        overheads = [r.overhead for r in summed.ranks if r.overhead > 0.0]
-        if overheads:  # likewise the busiest rank spends least of its round outside its own steps
-            self._costs.append(max(min(overheads), self.allreduce_time))
-        # The solver prices the median recent fixed cost per round (one slow round does not re-solve the schedule).
-        # Until a whole round has been measured it is unknown (0): the first schedule is solved as if averaging were
-        # free and re-solved once, when the cost becomes known.
-        self.round_cost = statistics.median(self._costs) if self._costs else 0.0
-        for rank, report in enumerate(summed.ranks):
-            if report.jitter > 0.0:
-                old = self.jitter[rank]
-                self.jitter[rank] = report.jitter if old <= 0.0 else old + JITTER_SMOOTHING * (report.jitter - old)
-        now = self._now()
-        if self._round_started is not None:
-            self._last_overhead = max(0.0, now - self._round_started - summed.ranks[self.rank].compute)
-        self._round_started = now
+        ledger = self.ledger
+        now = ledger.enter(summed, allreduce_s, summed.ranks[self.rank].compute)
         in_force = self.local_steps
         rebalanced = self.policy.observe(
-            [r.step_time for r in summed.ranks], self.round_cost, [r.error for r in summed.ranks]
+            [r.step_time for r in summed.ranks], ledger.round_cost, [r.error for r in summed.ranks]
         )
         record = RoundRecord(
-            round=self.num_averagings,
-            time=now - self._started - self._excluded,
+            round=ledger.num_averagings,
+            time=ledger.training_time(now),
             epoch=epoch,
             global_step=global_step,
             local_steps=in_force,
             step_times=tuple(self.policy.estimate),
             samples=tuple(r.samples for r in summed.ranks),
             compute_times=tuple(r.compute for r in summed.ranks),
-            allreduce_time=self.allreduce_time,
+            allreduce_time=ledger.allreduce_time,
             rebalanced=rebalanced,
-            round_cost=self.round_cost,
+            round_cost=ledger.round_cost,
         )
-        self.history.append(record)
+        ledger.history.append(record)
         resized = self._replan(rebalanced, next_slot, tuple(r.units for r in summed.ranks))
         if next_slot is not None:
             self._round_units = 0
             deadline = self.deadline_round if self.pacer is not None else None
             if self.pacer is not None and deadline is not None:
                 step = self.policy.estimate[self.rank]
-                seconds = deadline.deadline_s * self._deadline_scale(next_slot, deadline)
-                self.pacer.start_round(seconds, step, quantile_step(step, self.jitter[self.rank]))
-        self._stop = False
-        if summed.requeue:
-            self._requeue = False
+                seconds = deadline.deadline_s * DeadlinePlanner.scale(self.plan, next_slot, deadline)
+                self.pacer.start_round(seconds, step, quantile_step(step, ledger.jitter[self.rank]))
+        ledger.requests_answered(summed)
         self._reset_round()
         return RoundOutcome(record, summed.stop, summed.sigterm, summed.requeue, rebalanced, resized)
-
-    def _deadline_scale(self, slot: int, deadline: DeadlineRound) -> float:
-        """The share of the deadline the round starting at ``slot`` gets: less than all of it when the round was
-        shortened to end on a validation boundary (its reservations scaled alike)."""
-        plan = self.plan
-        if plan is None or not 0 <= slot < plan.total_slots:
-            return 1.0
-        rnd = plan.round_at(slot)
-        if not rnd.deadline or rnd.warmup or rnd.start_slot != slot:
-            return 1.0
-        return reservation_scale(max(deadline.reserve), rnd.length)
 
     def _replan(self, rebalanced: bool, next_slot: int | None, trained: tuple[int, ...]) -> bool:
         """Follow a new schedule from the next round boundary; return whether the epoch's length changed. A schedule
@@ -471,7 +349,7 @@ class RoundController:
             return False
         reserve = self.reserve
         upcoming = plan.round_at(next_slot)
-        if reserve is not None and _needs_other_deadline(plan, upcoming, reserve):
+        if reserve is not None and DeadlinePlanner.needs_other(plan, upcoming, reserve):
             self._replan_pending = True  # deadline rounds start, or their reservations changed
         if not self._replan_pending:
             return False
@@ -491,10 +369,8 @@ class RoundController:
         return {
             "world_size": self.world_size,
             **self.policy.state_dict(),
-            "round_cost": self.round_cost,
-            "round_costs": list(self._costs),
+            **self.ledger.state_dict(),
             "estimate": estimate[self.rank] if len(estimate) > self.rank and estimate[self.rank] > 0 else None,
-            "num_averagings": self.num_averagings,
             "plan_epoch": self.planned_epoch,
             "plan": None if self.plan is None else self.plan.state_dict(),
         }
@@ -505,11 +381,8 @@ class RoundController:
         ``total_units``."""
         if not state or state.get("world_size") != self.world_size:
             return None
-        self.num_averagings = int(state.get("num_averagings", 0))
-        # "allreduce_time": the key under which older checkpoints kept the round cost
-        self.round_cost = float(state.get("round_cost", state.get("allreduce_time")) or 0.0)
-        self._costs.extend(float(c) for c in state.get("round_costs") or [])
-        self.policy.load_state_dict(state, self.round_cost)
+        self.ledger.load_state_dict(state)
+        self.policy.load_state_dict(state, self.ledger.round_cost)
         plan = state.get("plan")
         if plan is None or plan["total_units"] != total_units:
             return None

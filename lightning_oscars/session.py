@@ -157,7 +157,7 @@ class FitSession:
                 f" strategy={self.name!r} cannot match: its ranks wait for each other inside a round."
                 " Save by steps (every_n_train_steps) or at validation, or use strategy='oscars'."
             )
-        self.adapter.install(trainer, self._on_sigterm, self.rounds.request_requeue)
+        self.adapter.install(trainer, self._on_sigterm, self.rounds.ledger.request_requeue)
         restored, self.restored = self.restored, None
         module = self.strategy.lightning_module
         assert module is not None
@@ -175,7 +175,7 @@ class FitSession:
 
     def _on_sigterm(self) -> None:
         launcher = self.strategy.launcher
-        if self.rounds.request_sigterm() and launcher is not None:
+        if self.rounds.ledger.request_sigterm() and launcher is not None:
             launcher.kill(signal.SIGTERM)
 
     def prepare_epoch(self, trainer: Trainer, resume_at: int = 0) -> None:
@@ -217,7 +217,7 @@ class FitSession:
     def finish_slot(self, trainer: Trainer, batch_idx: int) -> None:
         """A batch finished its hooks: maybe end the round."""
         if trainer.should_stop:  # a rank-local stop request waits for the round boundary
-            self.rounds.request_stop()
+            self.rounds.ledger.request_stop()
             trainer.should_stop = False
         if self.loader is None:
             return

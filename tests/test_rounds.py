@@ -88,7 +88,7 @@ def test_round_cost_is_the_busiest_ranks_time_outside_its_steps():
     clock = {"now": 0.0}
     ranks = cluster((0.01, 0.03), local_steps=(2, 2))
     for c, _ in ranks:
-        c._now = lambda: clock["now"]
+        c.ledger._now = lambda: clock["now"]
         c.plan_epoch(0, 16, c.policy.epoch_slot_bound(16))
     slot, costs = 0, []
     for i in range(4):
@@ -112,9 +112,11 @@ def test_requests_travel_to_every_rank_and_are_cleared():
     ranks = cluster((0.01, 0.01), local_steps=(2, 2))
     for c, _ in ranks:
         c.plan_epoch(0, 16, c.policy.epoch_slot_bound(16))
-    ranks[1][0].request_stop()
-    assert ranks[0][0].request_sigterm() and not ranks[0][0].request_sigterm()  # only the first one counts
-    ranks[1][0].request_requeue()
+    ranks[1][0].ledger.request_stop()
+    assert (
+        ranks[0][0].ledger.request_sigterm() and not ranks[0][0].ledger.request_sigterm()
+    )  # only the first one counts
+    ranks[1][0].ledger.request_requeue()
     outcomes, slot = run_round(ranks, 0)
     assert all(o.stop and o.sigterm and o.requeue for o in outcomes)
     later, _ = run_round(ranks, slot)
