@@ -37,6 +37,7 @@ CORE = {
     "reservations",
     "rounds",
     "schedule",
+    "shard",
     "solver",
     "staleness",
     "timing",

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_oscars.deadline import DeadlinePacer
 from lightning_oscars.loader import LoadBalancedLoader
-from lightning_oscars.param_server import Shard
+from lightning_oscars.shard import Shard
 from lightning_oscars.partition import EpochPlan
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.rounds import RoundController

@@ -12,7 +12,7 @@ import pytest
 import torch
 from subproc import ROOT, clean_env, run
 
-from lightning_oscars.param_server import Shard, shard_bounds
+from lightning_oscars.shard import Shard, shard_bounds
 from lightning_oscars.staleness import ASP, BSP, DASP, DSSP, SSP, StalenessRule
 
 

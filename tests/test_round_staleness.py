@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_oscars.param_server import Shard
+from lightning_oscars.shard import Shard
 from lightning_oscars.staleness import BSP, DASP, DSSP, SSP, StalenessRule
 
 FAST, SLOW = 0, 1
