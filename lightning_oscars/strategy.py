@@ -35,7 +35,7 @@ from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import ModelAveraging, SyncScheme
 from lightning_oscars.session import FitSession
 from lightning_oscars.solver import DEFAULT_MAX_SPREAD, Schedule
-from lightning_oscars.strategy_options import OscarsOptions, check_ddp_wrapper_options
+from lightning_oscars.strategy_options import OPTION_NAMES, OscarsOptions, check_ddp_wrapper_options
 from lightning_oscars.timing import make_clock
 from lightning_oscars.warmup import StoreCounter
 
@@ -155,27 +155,8 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             start_method=start_method,
             process_group_backend=process_group_backend,
         )
-        self._set_options(
-            solver=solver,
-            averaging=averaging,
-            average_optimizer_state=average_optimizer_state,
-            max_spread=max_spread,
-            max_local_steps=max_local_steps,
-            efficiency_tolerance=efficiency_tolerance,
-            warmup_steps=warmup_steps,
-            timed_warmup=timed_warmup,
-            rebalance_threshold=rebalance_threshold,
-            min_gain=min_gain,
-            smoothing=smoothing,
-            deadline_rounds=deadline_rounds,
-            step_times=step_times,
-            local_steps=local_steps,
-            seed=seed,
-            monitor=monitor,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            overlap_averaging=overlap_averaging,
-        )
+        # The options as the signature above declares them, validated once.
+        self._set_options({name: value for name, value in locals().items() if name in OPTION_NAMES})
         self.make_scheme()  # a bad combination of options fails here, not at the first fit
         self._session: FitSession | None = None  # the fit in progress (or a tuner's loop run inside it)
         self._fit_session: FitSession | None = None  # the fit's own session while a tuner's loop run has its own

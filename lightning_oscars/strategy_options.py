@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_oscars.outer import OuterNesterovAveraging
@@ -13,7 +13,43 @@ from lightning_oscars.schemes import ModelAveraging, SyncScheme
 from lightning_oscars.timing import LapClock
 from lightning_oscars.warmup import WarmupGate
 
-__all__ = ["OscarsOptions", "check_ddp_wrapper_options"]
+__all__ = ["OPTION_NAMES", "OscarsOptions", "check_ddp_wrapper_options"]
+
+# The strategy's own options: declared once, with their defaults and documentation, in ``OscarsStrategy.__init__``'s
+# signature (which LightningCLI reads); validated once, in ``OscarsOptions._set_options``.
+OPTION_NAMES = (
+    "solver",
+    "averaging",
+    "average_optimizer_state",
+    "max_spread",
+    "max_local_steps",
+    "efficiency_tolerance",
+    "warmup_steps",
+    "timed_warmup",
+    "rebalance_threshold",
+    "min_gain",
+    "smoothing",
+    "deadline_rounds",
+    "step_times",
+    "local_steps",
+    "seed",
+    "monitor",
+    "outer_lr",
+    "outer_momentum",
+    "overlap_averaging",
+)
+# Options the schedule policy validates and keeps: option name -> the policy's argument.
+_POLICY_ARGS = {
+    "max_spread": "max_spread",
+    "max_local_steps": "max_local_steps",
+    "efficiency_tolerance": "tolerance",
+    "warmup_steps": "warmup_steps",
+    "rebalance_threshold": "rebalance_threshold",
+    "min_gain": "min_gain",
+    "smoothing": "smoothing",
+    "step_times": "step_times",
+    "local_steps": "local_steps",
+}
 
 
 class OscarsOptions:
@@ -39,77 +75,52 @@ class OscarsOptions:
     outer_momentum: float
     overlap_averaging: bool
 
-    def _set_options(
-        self,
-        *,
-        solver: Solver,
-        averaging: str,
-        average_optimizer_state: bool,
-        max_spread: int,
-        max_local_steps: int,
-        efficiency_tolerance: float,
-        warmup_steps: int,
-        timed_warmup: bool = True,
-        rebalance_threshold: float,
-        min_gain: float,
-        smoothing: float,
-        step_times: Sequence[float] | None,
-        deadline_rounds: bool = False,
-        local_steps: Sequence[int] | None,
-        seed: int | None,
-        monitor: bool,
-        outer_lr: float | None = None,
-        outer_momentum: float = 0.9,
-        overlap_averaging: bool = False,
-    ) -> None:
-        if averaging not in ("uniform", "samples"):
-            raise ValueError(f"averaging must be 'uniform' or 'samples', got {averaging!r}")
+    def _set_options(self, options: Mapping[str, Any]) -> None:
+        """Validate and keep the strategy's own options (``options``: every name of :data:`OPTION_NAMES`, as the
+        constructor's signature declares them). Each is checked once: the schedule's by ``SchedulePolicy`` (which
+        raises naming the option), the rest here."""
+        missing = sorted(set(OPTION_NAMES) - set(options))
+        if missing:
+            raise TypeError(f"missing options: {missing}")
+        o = dict(options)
+        if o["averaging"] not in ("uniform", "samples"):
+            raise ValueError(f"averaging must be 'uniform' or 'samples', got {o['averaging']!r}")
+        seed = o["seed"]
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer or None, got {seed!r}")
-        # The policy validates the schedule options (and raises naming the option).
-        policy = SchedulePolicy(
-            solver,
-            max_spread=max_spread,
-            max_local_steps=max_local_steps,
-            tolerance=efficiency_tolerance,
-            warmup_steps=warmup_steps,
-            rebalance_threshold=rebalance_threshold,
-            min_gain=min_gain,
-            smoothing=smoothing,
-            step_times=step_times,
-            local_steps=local_steps,
-        )
-        self.solver = solver
-        self.averaging = averaging
-        self.average_optimizer_state = bool(average_optimizer_state)
-        self.max_spread = max_spread
-        self.max_local_steps = max_local_steps
-        self.efficiency_tolerance = float(efficiency_tolerance)
-        self.warmup_steps = warmup_steps
-        self.rebalance_threshold = float(rebalance_threshold)
-        self.min_gain = float(min_gain)
-        self.smoothing = float(smoothing)
-        if not isinstance(deadline_rounds, bool):
-            raise ValueError(f"deadline_rounds must be True or False, got {deadline_rounds!r}")
-        self.deadline_rounds = deadline_rounds
-        if not isinstance(timed_warmup, bool):
-            raise ValueError(f"timed_warmup must be True or False, got {timed_warmup!r}")
-        self.timed_warmup = timed_warmup
-        self.pinned_step_times = policy.pinned_step_times
-        self.pinned_local_steps = policy.pinned_local_steps
-        self.seed = seed
-        self.monitor = bool(monitor)
-        self.outer_lr = None if outer_lr is None else float(outer_lr)
-        self.outer_momentum = float(outer_momentum)
-        OuterNesterovAveraging(1.0 if outer_lr is None else outer_lr, outer_momentum)  # raises: bad values
-        if not isinstance(overlap_averaging, bool):
-            raise ValueError(f"overlap_averaging must be True or False, got {overlap_averaging!r}")
-        if overlap_averaging and outer_lr is not None:
+        for name in ("deadline_rounds", "timed_warmup", "overlap_averaging"):
+            if not isinstance(o[name], bool):
+                raise ValueError(f"{name} must be True or False, got {o[name]!r}")
+        if o["overlap_averaging"] and o["outer_lr"] is not None:
             raise ValueError(
                 "overlap_averaging cannot be combined with outer_lr: the outer step needs the round's mean at the"
                 " round's end, which overlapping delivers one round late"
             )
-        self.overlap_averaging = overlap_averaging
+        OuterNesterovAveraging(1.0 if o["outer_lr"] is None else o["outer_lr"], o["outer_momentum"])  # raises: bad
+        policy = SchedulePolicy(
+            o["solver"], **{arg: o[name] for name, arg in _POLICY_ARGS.items()}
+        )  # raises naming a bad schedule option
+        self.solver = o["solver"]
+        self.averaging = o["averaging"]
+        self.average_optimizer_state = bool(o["average_optimizer_state"])
+        self.max_spread, self.max_local_steps, self.warmup_steps = (
+            policy.max_spread,
+            policy.max_local_steps,
+            policy.warmup_steps,
+        )
+        self.efficiency_tolerance = policy.tolerance
+        self.rebalance_threshold, self.min_gain, self.smoothing = (
+            policy.rebalance_threshold,
+            policy.min_gain,
+            policy.smoothing,
+        )
+        self.deadline_rounds, self.timed_warmup = o["deadline_rounds"], o["timed_warmup"]
+        self.pinned_step_times, self.pinned_local_steps = policy.pinned_step_times, policy.pinned_local_steps
+        self.seed = seed
+        self.monitor = bool(o["monitor"])
+        self.outer_lr = None if o["outer_lr"] is None else float(o["outer_lr"])
+        self.outer_momentum = float(o["outer_momentum"])
+        self.overlap_averaging = o["overlap_averaging"]
 
     def make_scheme(self) -> SyncScheme:
         """The synchronisation scheme of a fit (override to plug in another; see ``schemes.py``): model averaging,
