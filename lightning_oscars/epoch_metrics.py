@@ -83,6 +83,45 @@ def synced_epoch_keys(results: _ResultCollection) -> dict[str, dict[str, Any]]:
     return keys
 
 
+def _register_missing(
+    results: _ResultCollection,
+    key: str,
+    fields: dict[str, Any],
+    reduce_fn: Callable[..., Any],
+    device: torch.device,
+    metric_of: Callable[[str], Metric | None],
+) -> None:
+    """Log ``key`` on this rank as another rank logged it, holding its reduction's identity (or the module's own,
+    never updated, ``Metric``), so that this rank takes part in its epoch-end reduction adding nothing."""
+    value: torch.Tensor | Metric | None = torch.tensor(_NEUTRAL[fields["reduce_fx"]], device=device)
+    if fields["metric"]:
+        value = metric_of(fields["metric_attribute"])
+        if value is None:
+            raise RuntimeError(
+                f"Another rank logged the metric {fields['metric_attribute']!r} (as {fields['name']!r}), which this"
+                " rank's LightningModule does not have: under oscars every rank must hold the same metrics."
+            )
+    if key in results:  # logged in an earlier epoch, not in this one: reset; same metadata
+        del results[key]
+    results.log(
+        fields["fx"],
+        fields["name"],
+        value,
+        prog_bar=fields["prog_bar"],
+        logger=fields["logger"],
+        on_step=fields["on_step"],
+        on_epoch=fields["on_epoch"],
+        reduce_fx=fields["reduce_fx"],
+        sync_dist=fields["sync_dist"],
+        sync_dist_fn=reduce_fn,
+        add_dataloader_idx=fields["add_dataloader_idx"],
+        batch_size=0,
+        metric_attribute=fields["metric_attribute"],
+        rank_zero_only=fields["rank_zero_only"],
+    )
+    results[key]._forward_cache = None  # no step value: nothing was logged on this rank's steps
+
+
 def align_epoch_metrics(
     results: _ResultCollection,
     gather: Callable[[dict[str, dict[str, Any]]], list[dict[str, dict[str, Any]]]],
@@ -109,34 +148,7 @@ def align_epoch_metrics(
     for key in sorted(everyone):
         if key in results and not results[key].has_reset:
             continue
-        fields = everyone[key]
-        value: torch.Tensor | Metric | None = torch.tensor(_NEUTRAL[fields["reduce_fx"]], device=device)
-        if fields["metric"]:
-            value = metric_of(fields["metric_attribute"])
-            if value is None:
-                raise RuntimeError(
-                    f"Another rank logged the metric {fields['metric_attribute']!r} (as {fields['name']!r}), which this"
-                    " rank's LightningModule does not have: under oscars every rank must hold the same metrics."
-                )
-        if key in results:  # logged in an earlier epoch, not in this one: reset; same metadata
-            del results[key]
-        results.log(
-            fields["fx"],
-            fields["name"],
-            value,
-            prog_bar=fields["prog_bar"],
-            logger=fields["logger"],
-            on_step=fields["on_step"],
-            on_epoch=fields["on_epoch"],
-            reduce_fx=fields["reduce_fx"],
-            sync_dist=fields["sync_dist"],
-            sync_dist_fn=reduce_fn,
-            add_dataloader_idx=fields["add_dataloader_idx"],
-            batch_size=0,
-            metric_attribute=fields["metric_attribute"],
-            rank_zero_only=fields["rank_zero_only"],
-        )
-        results[key]._forward_cache = None  # no step value: nothing was logged on this rank's steps
+        _register_missing(results, key, everyone[key], reduce_fn, device, metric_of)
         added.append(key)
     # One order on every rank: the values reduced at the epoch end last, sorted by key.
     synced = sorted(key for key in everyone if key in results)

@@ -76,6 +76,37 @@ def _solve_alg1(
 _SOLVERS = {"exact": _solve_exact, "alg1": _solve_alg1}
 
 
+def _validate(
+    solver: str,
+    max_spread: int,
+    max_local_steps: int,
+    warmup_steps: int,
+    tolerance: float,
+    rebalance_threshold: float,
+    min_gain: float,
+    smoothing: float,
+) -> None:
+    """Raise ``ValueError`` naming the first bad schedule option (by the strategy's option name)."""
+    if solver not in ("exact", "alg1", "uniform"):
+        raise ValueError(f"solver must be 'exact', 'alg1' or 'uniform', got {solver!r}")
+    for name, value in (
+        ("max_spread", max_spread),
+        ("max_local_steps", max_local_steps),
+        ("warmup_steps", warmup_steps),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    for name, number, upper in (
+        ("efficiency_tolerance", tolerance, 1.0),
+        ("rebalance_threshold", rebalance_threshold, math.inf),
+        ("min_gain", min_gain, math.inf),
+    ):
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not (0.0 <= number < upper):
+            raise ValueError(f"{name} must be a number in [0, {upper}), got {number!r}")
+    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 < smoothing <= 1.0:
+        raise ValueError(f"smoothing must lie in (0, 1], got {smoothing!r}")
+
+
 class SchedulePolicy:
     """Chooses every rank's local steps per round from the step times the ranks agreed on.
 
@@ -109,24 +140,9 @@ class SchedulePolicy:
         resolve: bool | None = None,
         initial_allreduce_s: float = 0.0,
     ) -> None:
-        if solver not in ("exact", "alg1", "uniform"):
-            raise ValueError(f"solver must be 'exact', 'alg1' or 'uniform', got {solver!r}")
-        for name, value in (
-            ("max_spread", max_spread),
-            ("max_local_steps", max_local_steps),
-            ("warmup_steps", warmup_steps),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name, number, upper in (
-            ("efficiency_tolerance", tolerance, 1.0),
-            ("rebalance_threshold", rebalance_threshold, math.inf),
-            ("min_gain", min_gain, math.inf),
-        ):
-            if isinstance(number, bool) or not isinstance(number, (int, float)) or not (0.0 <= number < upper):
-                raise ValueError(f"{name} must be a number in [0, {upper}), got {number!r}")
-        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 < smoothing <= 1.0:
-            raise ValueError(f"smoothing must lie in (0, 1], got {smoothing!r}")
+        _validate(
+            solver, max_spread, max_local_steps, warmup_steps, tolerance, rebalance_threshold, min_gain, smoothing
+        )
         if step_times is not None and local_steps is not None:
             raise ValueError("pin either step_times or local_steps, not both")
         self.solver = solver
