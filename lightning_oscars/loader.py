@@ -26,7 +26,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -35,7 +34,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_oscars.deadline import DeadlinePacer
 from lightning_oscars.epoch_order import EpochOrder, training_set_size
-from lightning_oscars.partition import EpochPlan, Round
+from lightning_oscars.partition import EpochPlan
+from lightning_oscars.slots import SlotCursor, SlotInfo
 from lightning_oscars.warmup import WarmupGate
 
 __all__ = [
@@ -59,18 +59,6 @@ _CARRIED = (
     "pin_memory_device",
     "in_order",
 )
-
-
-@dataclass(frozen=True)
-class SlotInfo:
-    """What one yielded batch is: a real step or a no-op, how many samples it holds, the seconds spent
-    fetching it (``None`` when that time is not a step's: the first batch after worker start-up), and the first slot
-    of the round it belongs to (-1: before the epoch's plan)."""
-
-    real: bool
-    samples: int
-    fetch_seconds: float | None = 0.0
-    round_slot: int = -1
 
 
 def empty_batch(batch: Any) -> Any:
@@ -167,7 +155,7 @@ class LoadBalancedLoader:
 
     def set_batches_per_slot(self, batches_per_slot: int) -> None:
         """Units of ``batches_per_slot`` batches (``accumulate_grad_batches``, which a callback may change
-        between epochs). The strategy sets :attr:`max_slots` again afterwards."""
+        between epochs). The fit session sets :attr:`max_slots` again afterwards."""
         if batches_per_slot < 1:
             raise ValueError(f"batches_per_slot must be >= 1, got {batches_per_slot}")
         self.batches_per_slot = batches_per_slot
@@ -228,7 +216,7 @@ class LoadBalancedLoader:
         rnd = plan.round_at(running)
         if not rnd.deadline or rnd.start_slot != running:
             return
-        self._slots = iterator.close_round(running, self._slots)
+        self._slots = iterator.cursor.close_round(running, self._slots, iterator.position)
 
     def start_epoch(self, plan: EpochPlan, epoch: int, order: Sequence[int] | None, start_position: int = 0) -> None:
         """Hand the loader an epoch: its plan, its order of samples (``None``: draw it here) and the Lightning
@@ -262,140 +250,39 @@ class LoadBalancedLoader:
 
 
 class _EpochIterator:
+    """One pass over the epoch: the cursor decides every slot (``slots.py``); this fetches and yields."""
+
     def __init__(self, owner: LoadBalancedLoader) -> None:
         self.owner = owner
         # Index of the next Lightning batch in the epoch. Read at the first batch, not here: when resuming
         # mid-epoch Lightning creates the iterator before the strategy learns the restored position.
         self.position = -1
         self.last_batch: Any = None
+        self.cursor = SlotCursor(owner)
         self._inner: Iterator[Any] | None = None
         self._inner_version = -1
         self._fresh_inner = False
-        self._stale_inner = False  # the inner loader still holds units this rank did not reach in a deadline round
-        # The deadline round being fetched: its first slot, the units handed out so far, this slot's unit.
-        self._round_slot = -1
-        self._taken = 0
-        self._slot_unit: int | None = None
-        self._closed_round = -1  # a deadline round closed by a lockstep scheme (its first slot): no-ops from here
         owner._slots.clear()
-
-    def close_round(self, round_slot: int, pending: deque[SlotInfo]) -> deque[SlotInfo]:
-        """Close the deadline round starting at ``round_slot`` (see :meth:`LoadBalancedLoader.close_round`):
-        ``pending`` (the infos yielded and not taken, the last of them at :attr:`position` - 1) with that round's
-        real slots made no-ops, whose units are given back to the round's count of units handed out."""
-        self._closed_round = round_slot
-        bps = self.owner.batches_per_slot
-        kept: deque[SlotInfo] = deque()
-        first = self.position - len(pending)
-        for k, info in enumerate(pending):
-            if info.real and info.round_slot == round_slot:
-                if (first + k) % bps == 0 and self._round_slot == round_slot:
-                    self._taken -= 1  # the slot's unit was handed out at its first batch
-                info = SlotInfo(False, 0, 0.0, round_slot)
-            kept.append(info)
-        if self._round_slot == round_slot:
-            self._slot_unit = None  # the rest of a slot whose first batch was fetched is a no-op too
-        return kept
 
     def _indices(self, batch: int) -> list[int]:
         b = self.owner.batch_size
         return self.owner.epoch_order(self.owner.sampler.epoch)[batch * b : (batch + 1) * b]
 
-    def _batch_at(self, position: int) -> int | None:
-        """The epoch batch trained at Lightning batch ``position`` by this rank, or ``None`` for a no-op."""
-        owner = self.owner
-        plan = owner.plan
-        slot, within = divmod(position, owner.batches_per_slot)
-        if plan is None:
-            # Only the first batch of an epoch can be fetched before the strategy plans it, and a rank's
-            # first unit never depends on the plan (see partition.py): it is the first round's first unit.
-            unit: int | None = owner.rank if slot == 0 else None
-        elif slot >= plan.total_slots:
-            unit = None
-        else:
-            unit = plan.unit_at(owner.rank, slot)
-        if unit is None:
-            return None
-        batch = unit * owner.batches_per_slot + within
-        return batch if batch < owner.num_batches else None
-
-    def _enter_round(self, rnd: Round, slot: int) -> None:
-        """The first batch fetched of round ``rnd`` (at ``slot``: part-way in when resuming)."""
-        plan = self.owner.plan
-        assert plan is not None
-        rank = self.owner.rank
-        previous = plan.round_at(self._round_slot) if 0 <= self._round_slot < plan.total_slots else None
-        if previous is not None and previous.deadline and self._taken < previous.quotas[rank]:
-            self._stale_inner = True  # the inner loader still holds the units this rank did not reach
-        self._round_slot = rnd.start_slot
-        self._taken = 0 if slot == rnd.start_slot else plan.progress[rank]
-
-    def _deadline_batch(self, position: int, rnd: Round) -> int | None:
-        """The epoch batch trained at ``position`` of deadline round ``rnd``, or ``None`` for a no-op: decided as
-        the slot's first batch is fetched (the pacer), then the same unit for the slot's other batches."""
-        owner = self.owner
-        plan = owner.plan
-        assert plan is not None
-        slot, within = divmod(position, owner.batches_per_slot)
-        if within == 0:
-            reserved = rnd.quotas[owner.rank]
-            pending = sum(1 for info in owner._slots if info.real)
-            pacer: DeadlinePacer | WarmupGate | None = owner.warmup_gate if rnd.warmup else owner.pacer
-            due = (
-                self._closed_round != rnd.start_slot
-                and self._taken < reserved
-                and (pacer is None or pacer.is_due(slot - rnd.start_slot, rnd.length, self._taken, reserved, pending))
-            )
-            self._slot_unit = plan.reserved_units(owner.rank, rnd)[self._taken] if due else None
-            self._taken += int(due)
-        if self._slot_unit is None:
-            return None
-        batch = self._slot_unit * owner.batches_per_slot + within
-        return batch if batch < owner.num_batches else None
-
-    def _upcoming_batches(self) -> list[int]:
-        """The epoch batches this rank will train from :attr:`position` on, as the plan stands: in a deadline round
-        all the rank's reserved units not handed out yet (the current slot's included)."""
-        owner = self.owner
-        plan = owner.plan
-        assert plan is not None
-        bps = owner.batches_per_slot
-        upcoming: list[int] = []
-        for rnd in plan.rounds:
-            if rnd.end_slot * bps <= self.position:
-                continue
-            if not rnd.deadline:
-                for position in range(max(self.position, rnd.start_slot * bps), rnd.end_slot * bps):
-                    batch = self._batch_at(position)
-                    if batch is not None:
-                        upcoming.append(batch)
-                continue
-            units = plan.reserved_units(owner.rank, rnd)
-            within = 0
-            if rnd.start_slot == self._round_slot and rnd.start_slot * bps <= self.position:
-                units = units[max(0, self._taken - 1) :]  # the current slot's unit was just handed out
-                within = self.position % bps
-            for k, unit in enumerate(units):
-                for w in range(within if k == 0 else 0, bps):
-                    if unit * bps + w < owner.num_batches:
-                        upcoming.append(unit * bps + w)
-        return upcoming
-
     def _restart_inner(self) -> None:
         owner = self.owner
         plan = owner.plan
         assert plan is not None
-        self._inner = owner.fetch([self._indices(batch) for batch in self._upcoming_batches()])
+        self._inner = owner.fetch([self._indices(batch) for batch in self.cursor.upcoming_batches(self.position)])
         self._inner_version = plan.version
         self._fresh_inner = True
-        self._stale_inner = False
+        self.cursor.stale = False
 
     def _real_batch(self, indices: list[int]) -> tuple[Any, float | None]:
         owner = self.owner
         if owner.plan is None:
             started = time.perf_counter()
             return owner.fetch_one(indices), time.perf_counter() - started
-        if self._inner is None or self._inner_version != owner.plan.version or self._stale_inner:
+        if self._inner is None or self._inner_version != owner.plan.version or self.cursor.stale:
             self._restart_inner()
         assert self._inner is not None
         started = time.perf_counter()
@@ -415,24 +302,7 @@ class _EpochIterator:
             self.position, owner.start_position = owner.start_position, 0
         if self.position >= len(owner):
             raise StopIteration
-        plan = owner.plan
-        slot = self.position // owner.batches_per_slot
-        rnd = plan.round_at(slot) if plan is not None and slot < plan.total_slots else None
-        if rnd is not None and rnd.start_slot != self._round_slot and self.position % owner.batches_per_slot == 0:
-            self._enter_round(rnd, slot)
-        # Before the plan, only the epoch's first slot is fetched (see _batch_at): the first round's.
-        round_slot = rnd.start_slot if rnd is not None else (0 if plan is None else -1)
-        if rnd is not None and rnd.deadline:
-            batch = self._deadline_batch(self.position, rnd)
-        else:
-            batch = self._batch_at(self.position)
-            if self.position % owner.batches_per_slot == 0:
-                # Kept in plain rounds too: a round's first slot is fetched before a re-plan may make it a deadline
-                # round, whose other batches of that slot then follow this decision.
-                self._taken += int(batch is not None)
-                if plan is None:  # the first round's first slot: the plan's first round is entered already
-                    self._round_slot = 0
-                self._slot_unit = None if batch is None else batch // owner.batches_per_slot
+        batch, round_slot = self.cursor.decide(self.position, sum(1 for info in owner._slots if info.real))
         if batch is None:
             if self.last_batch is None:
                 # Only when resuming into a no-op slot: Lightning skips a None batch entirely (no step, no

@@ -24,9 +24,9 @@ from lightning_oscars.control import Contribution, ControlData, RankReport, Roun
 from lightning_oscars.deadline import DeadlinePacer, DeadlineRound, quantile_step
 from lightning_oscars.deadline_planner import DeadlinePlanner
 from lightning_oscars.ledger import MEDIAN_ERROR, RoundLedger, RoundOutcome, step_jitter
-from lightning_oscars.loader import SlotInfo
 from lightning_oscars.partition import EpochPlan
 from lightning_oscars.policy import SchedulePolicy
+from lightning_oscars.slots import SlotInfo
 from lightning_oscars.timing import LapClock, StepTimeEstimator, WallClock
 from lightning_oscars.warmup import WarmupGate
 

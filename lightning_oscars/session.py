@@ -142,12 +142,15 @@ class FitSession:
 
     def adopt_loader(self, loader: LoadBalancedLoader) -> None:
         """Drive ``loader`` with these rounds (its epoch bound, deadline pacer and warm-up gate)."""
-        loader.max_slots = self.rounds.epoch_slot_bound(loader.total_units)
-        loader.pacer = self.rounds.pacer
-        loader.warmup_gate = self.rounds.warmup_gate
+        loader.pacer, loader.warmup_gate = self.rounds.pacer, self.rounds.warmup_gate
+        self._bound_epoch(loader)
         self.scheme.adopt_loader(loader)
         self.loader = loader
         self.rounds.forget_plan()
+
+    def _bound_epoch(self, loader: LoadBalancedLoader, at_least: int = 0) -> None:
+        """The loader's length: the most slots an epoch of these rounds can take (the only place it is set)."""
+        loader.max_slots = max(self.rounds.epoch_slot_bound(loader.total_units), at_least)
 
     def begin_rounds(self, trainer: Trainer) -> None:
         """Training starts: install the adapter, restore a checkpoint's rounds, continue a resumed epoch."""
@@ -168,7 +171,7 @@ class FitSession:
         plan = self.rounds.load_state_dict(restored, units)
         if plan is not None and loader is not None:
             # A plan checkpointed under a looser bound (an older release) must still fit in the loader.
-            loader.max_slots = max(loader.max_slots, plan.total_slots)
+            self._bound_epoch(loader, at_least=max(loader.max_slots, plan.total_slots))
         position = LightningAdapter.resume_position(trainer)
         if position is not None:
             self.prepare_epoch(trainer, resume_at=position)
@@ -196,7 +199,7 @@ class FitSession:
         if accumulation != loader.batches_per_slot:
             # A GradientAccumulationScheduler changed the slot size: units, bounds and the plan follow.
             loader.set_batches_per_slot(accumulation)
-            loader.max_slots = self.rounds.epoch_slot_bound(loader.total_units)
+            self._bound_epoch(loader)
             self.rounds.forget_plan()
         boundaries = self.adapter.validation_slots(trainer, loader.batches_per_slot)
         # A fractional limit_train_batches is applied here, to the units (what ddp would train), not to the slots.

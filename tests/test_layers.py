@@ -38,6 +38,7 @@ CORE = {
     "rounds",
     "schedule",
     "shard",
+    "slots",
     "solver",
     "staleness",
     "timing",

@@ -9,10 +9,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_oscars.deadline import DeadlinePacer
 from lightning_oscars.loader import LoadBalancedLoader
-from lightning_oscars.shard import Shard
 from lightning_oscars.partition import EpochPlan
 from lightning_oscars.policy import SchedulePolicy
 from lightning_oscars.rounds import RoundController
+from lightning_oscars.shard import Shard
 from lightning_oscars.staleness import BSP, SSP
 
 
