@@ -127,8 +127,8 @@ class DeadlinePacer:
 
     The round controller calls :meth:`start_round` when a round begins (the end of the averaging) and
     :meth:`shift` when time outside training (validation) passes; the loader asks :meth:`is_due` for each slot
-    as Lightning fetches it. Lightning fetches one batch ahead: when slot ``k`` is decided, slot ``k - 1`` has been
-    fetched but not run, and its expected time counts (``pending``).
+    as Lightning fetches it, or just before (``SlotCursor.decide_ahead``). Slots fetched but not yet run count with
+    their expected time (``pending``; Lightning fetches a sized loader's batches one at a time, so usually none).
     """
 
     def __init__(self, now: Callable[[], float] = time.perf_counter, packed: bool = False) -> None:

@@ -201,10 +201,16 @@ class LoadBalancedLoader:
         return self._running
 
     def continues_round(self) -> bool:
-        """Whether the next slot, already fetched, is a real step of the round of the slot running now (Lightning
-        fetches one batch ahead; ``False`` when nothing is fetched yet)."""
+        """Whether this rank's next slot is a real step of the round of the slot running now: the fetched one if
+        Lightning fetched ahead, else the next slot decided now (``SlotCursor.decide_ahead``; Lightning fetches a
+        sized loader's next batch after the running batch's hooks)."""
         running = self._running.round_slot
-        return any(info.real and info.round_slot == running for info in self._slots)
+        if self._slots:
+            return any(info.real and info.round_slot == running for info in self._slots)
+        iterator = self._iterator
+        if iterator is None or not 0 <= iterator.position < len(self):
+            return False
+        return iterator.cursor.decide_ahead(iterator.position, running)
 
     def close_round(self) -> None:
         """Take no further real step in the deadline round of the slot running now: its slots fetched but not run

@@ -125,10 +125,14 @@ class RoundController:
 
     @property
     def local_steps(self) -> tuple[int, ...]:
-        """The schedule's local steps, within :attr:`step_spread` of the fewest."""
+        """The schedule's local steps, within :attr:`step_spread` of the fewest. In lockstep (a spread of 0) every
+        rank takes the busiest rank's steps: ranks wait for each other at every step anyway, so a round lasts as
+        long as the schedule's rounds and its meeting is paid as rarely."""
         steps = self.policy.local_steps
         if self.step_spread is None or not steps:
             return steps
+        if self.step_spread == 0:
+            return (max(steps),) * len(steps)
         most = min(steps) + self.step_spread
         return tuple(min(t, most) for t in steps)
 

@@ -13,7 +13,7 @@ round's end, where everybody has met.
 Under a lockstep rule (BSP) every worker takes exactly one step per clock, so within a round every rank takes the
 same number of steps and, with SGD, the trajectory is ddp's. A rank's steps in a deadline round are decided by its
 own clock, so the ranks agree through the server: every push says whether the rank takes another step in the round
-(its next slot is already fetched: :meth:`RoundSteps.continues_round`), and a grant says whether the round is
+(its next slot is decided then: :meth:`RoundSteps.continues_round`), and a grant says whether the round is
 *closed* (some rank takes no further step, or ended the round). A closed round's remaining slots become no-op slots
 on every rank (:meth:`RoundSteps.close_round`; the data they did not reach goes back to the epoch, as a deadline
 round hands back what its ranks did not reach).
@@ -44,7 +44,7 @@ class RoundSteps(Protocol):
     """What a lockstep scheme asks of the rank's loader (``LoadBalancedLoader`` provides it)."""
 
     def continues_round(self) -> bool:
-        """Whether this rank's next step (already fetched) is a real step of the round now running."""
+        """Whether this rank's next slot (fetched, or decided now) is a real step of the round now running."""
         ...
 
     def close_round(self) -> None:

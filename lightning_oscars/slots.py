@@ -54,10 +54,34 @@ class SlotCursor:
         self.slot_unit: int | None = None
         self.closed_round = -1  # a deadline round closed by a lockstep scheme (its first slot): no-ops from here
         self.stale = False  # units this rank did not reach in a deadline round are still queued for fetching
+        self.ahead: tuple[int, tuple[int | None, int]] | None = None  # a slot decided before its fetch (decide_ahead)
 
     def decide(self, position: int, pending_real: int) -> tuple[int | None, int]:
         """The epoch batch this rank trains at Lightning batch ``position`` (``None``: a no-op), and the first slot
         of the round it belongs to. ``pending_real``: real slots fetched and not yet run (the pacer counts them)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == position:
+            return ahead[1]
+        return self._decide(position, pending_real)
+
+    def decide_ahead(self, position: int, round_slot: int) -> bool:
+        """Whether the slot at ``position`` (the next to fetch) is a real step of round ``round_slot``, decided now,
+        before its fetch; :meth:`decide` then returns this decision. Lightning fetches a sized loader's next batch only
+        after the running batch's hooks, where a lockstep scheme must already say whether this rank steps again in
+        the round. A slot of another round is not decided (a meeting may re-plan it first): ``False``."""
+        if self.ahead is not None and self.ahead[0] == position:
+            batch, decided_round = self.ahead[1]
+            return batch is not None and decided_round == round_slot
+        plan, bps = self.owner.plan, self.owner.batches_per_slot
+        slot = position // bps
+        if plan is None or position < 0 or slot >= plan.total_slots or plan.round_at(slot).start_slot != round_slot:
+            return False
+        if position % bps:  # within a slot: its unit was decided at its first batch
+            return self.slot_unit is not None
+        self.ahead = (position, self._decide(position, 0))
+        return self.ahead[1][0] is not None
+
+    def _decide(self, position: int, pending_real: int) -> tuple[int | None, int]:
         owner = self.owner
         plan, bps = owner.plan, owner.batches_per_slot
         slot = position // bps
@@ -94,6 +118,9 @@ class SlotCursor:
             kept.append(info)
         if self.round_slot == round_slot:
             self.slot_unit = None  # the rest of a slot whose first batch was fetched is a no-op too
+        if self.ahead is not None and self.ahead[1][1] == round_slot and self.ahead[1][0] is not None:
+            self.taken -= 1  # decided ahead at its slot's first batch: its unit goes back too
+            self.ahead = (self.ahead[0], (None, round_slot))
         return kept
 
     def batch_at(self, position: int) -> int | None:

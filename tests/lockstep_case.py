@@ -193,7 +193,10 @@ def fit_lead(paradigm: str) -> dict:
         trainer.fit(module)
     except Exception as error:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(error).__name__}: {error}"
+    scheme = trainer.strategy.scheme  # type: ignore[attr-defined]
+    reported = scheme.report.get("staleness", []) if scheme is not None else []
     result.update(seen=module.seen, final=module.w.detach().tolist(), validations=module.validations)
+    result["reported"] = reported  # the staleness of every open grant of this rank's shard, as benchmarks report it
     return result
 
 

@@ -66,7 +66,7 @@ class Indexed(Dataset):
 
 def test_a_closed_round_turns_its_fetched_and_later_slots_into_no_ops_and_hands_their_data_back() -> None:
     """Two ranks, 10 units, deadline rounds reserving 3 each: both close the first round after one step (Lightning
-    has already fetched the second slot), and the epoch still trains every sample exactly once."""
+    fetched the second slot ahead here), and the epoch still trains every sample exactly once."""
     reserve = (3, 3)
     loaders, plans, iterators = [], [], []
     for rank in (0, 1):
@@ -79,7 +79,7 @@ def test_a_closed_round_turns_its_fetched_and_later_slots_into_no_ops_and_hands_
     assert plans[0].round_at(0).deadline and plans[0].round_at(0).length == 3
     trained: list[list[int]] = [[], []]
     per_round: list[dict[int, int]] = [{}, {}]
-    fetched = [[next(it)] for it in iterators]  # Lightning fetches one batch ahead
+    fetched = [[next(it)] for it in iterators]  # a loader fetched one batch ahead (the prefetched path)
     slot = 0
     while slot < plans[0].total_slots:
         for rank, (loader, it) in enumerate(zip(loaders, iterators)):
@@ -119,12 +119,40 @@ def test_a_packed_pacer_steps_while_a_step_fits_and_never_after_the_first_no_op(
     assert [spread.is_due(k, 6, k, 6, 0) for k in range(4)].count(False) >= 1, "unpacked: steps spread"
 
 
-def test_a_bound_caps_every_ranks_local_steps_near_the_fewest() -> None:
+def test_a_bound_caps_every_ranks_local_steps_near_the_fewest_and_lockstep_takes_the_busiests() -> None:
     policy = SchedulePolicy(local_steps=(2, 9, 5))
     rounds = RoundController(policy, 3, 0)
     rounds.begin_fit()
     assert rounds.local_steps == (2, 9, 5)
     rounds.step_spread = 3
     assert rounds.local_steps == (2, 5, 5)
-    rounds.step_spread = 0
-    assert rounds.local_steps == (2, 2, 2)
+    rounds.step_spread = 0  # BSP: everybody waits for everybody at every step; rounds as long as the busiest's
+    assert rounds.local_steps == (9, 9, 9)
+
+
+def test_without_a_batch_fetched_ahead_the_next_slot_is_decided_now_and_the_fetch_follows_it() -> None:
+    """Lightning fetches a sized loader's next batch only after the running batch's hooks, where a lockstep scheme
+    asks whether this rank steps again in the round: the loader decides that slot then, and fetches what it said.
+    A round closed after that decision turns the decided slot into a no-op and hands its unit back."""
+    loader = LoadBalancedLoader(DataLoader(Indexed(), batch_size=4), rank=0, world_size=2)
+    reserve = (3, 3)
+    plan = EpochPlan(2, loader.total_units, 8, reserve, reserve)
+    loader.start_epoch(plan, 0, None)
+    units = plan.reserved_units(0, plan.round_at(0))
+    cursor = lambda: loader._iterator.cursor  # noqa: E731 - the epoch's cursor, made at iter()
+    it = iter(loader)
+    next(it)
+    assert loader.take_slot().real
+    assert loader.continues_round(), "nothing fetched ahead: slot 1 is decided now (no pacer: due)"
+    assert loader.continues_round(), "asked twice: the same decision, not a second unit"
+    assert cursor().taken == 2
+    second = next(it)
+    assert loader.take_slot().real
+    assert second.tolist() == list(range(4 * units[1], 4 * units[1] + 4)), "the fetch trains the unit decided"
+    assert loader.continues_round(), "slot 2 holds the round's third reserved unit"
+    assert cursor().taken == 3
+    loader.close_round()  # a peer takes no further step: the decided slot becomes a no-op, its unit not reached
+    third = next(it)
+    assert not loader.take_slot().real and third.numel() == 0
+    assert cursor().taken == 2, "the unit decided ahead went back to the round: settling hands it to the epoch"
+    assert not loader.continues_round(), "past the closed round's reservation nothing is real"
