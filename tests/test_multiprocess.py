@@ -357,8 +357,31 @@ def test_validate_test_predict_after_fit(tmp_path, tmp_path_factory):
     assert fast["predicted"] > 0
 
 
-def test_checkpoint_resume(tmp_path):
-    first = finished("resume_first", tmp_path)
+@pytest.fixture(scope="module")
+def resumable(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """One run of ``resume_first`` (its directory, with the checkpoint, and its results), shared by the tests that
+    resume from it; each resumes in a copy of the directory (``resumed_from``)."""
+    out = tmp_path_factory.mktemp("resume_first")
+    return out, finished("resume_first", out)
+
+
+def resumed_from(resumable: tuple[Path, list[dict]], tmp_path: Path) -> list[dict]:
+    """Copy the shared first run into ``tmp_path`` (a resume writes its own checkpoints there); its results."""
+    import shutil
+
+    out, first = resumable
+    shutil.copytree(out, tmp_path, dirs_exist_ok=True)
+    return first
+
+
+@pytest.fixture(scope="module")
+def exact_a(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The pinned-speed reference run, shared by the reproducibility and the preemption tests."""
+    return finished("exact_a", tmp_path_factory.mktemp("exact_a"))
+
+
+def test_checkpoint_resume(tmp_path, resumable):
+    first = resumed_from(resumable, tmp_path)
     second = finished("resume_second", tmp_path)
     assert second[0]["epoch"] == 2
     assert second[0]["global_step"] > first[0]["global_step"]
@@ -415,8 +438,8 @@ def test_resume_mid_epoch_uses_every_sample_once(tmp_path):
     assert before + after == 2 * 512
 
 
-def test_resume_with_a_different_heterogeneity_rebalances(tmp_path):
-    finished("resume_first", tmp_path)
+def test_resume_with_a_different_heterogeneity_rebalances(tmp_path, resumable):
+    resumed_from(resumable, tmp_path)
     fast, slow = finished("resume_swapped", tmp_path)
     assert fast["epoch"] == 3
     # The restored schedule favoured rank 0; now rank 0 is the slow one and the schedule follows.
@@ -425,13 +448,13 @@ def test_resume_with_a_different_heterogeneity_rebalances(tmp_path):
     assert slow["seen"] > fast["seen"] / 2
 
 
-def test_resume_two_ranks_on_one_and_one_on_two(tmp_path):
+def test_resume_two_ranks_on_one_and_one_on_two(tmp_path, resumable):
     import lightning as L
     from toy import ToyModule
 
     import lightning_oscars  # noqa: F401 - registers "oscars"
 
-    finished("resume_first", tmp_path)
+    resumed_from(resumable, tmp_path)
     two_rank_ckpt = tmp_path / "ckpt" / "last.ckpt"
     # 2 -> 1: the checkpoint's schedule is for 2 ranks; on one device training just continues.
     module = ToyModule()
@@ -471,16 +494,16 @@ def test_dataset_smaller_than_one_step_per_rank_fails_clearly(tmp_path):
         assert "fewer than one optimizer step for each of the 2 ranks" in r.get("error", ""), r.get("error")
 
 
-def test_same_seed_and_pinned_speeds_give_identical_runs(tmp_path):
-    a = finished("exact_a", tmp_path / "a")
+def test_same_seed_and_pinned_speeds_give_identical_runs(tmp_path, exact_a):
+    a = exact_a
     b = finished("exact_b", tmp_path / "b")
     assert [h["local_steps"] for h in a[0]["history"]] == [h["local_steps"] for h in b[0]["history"]]
     assert a[0]["weights"] == b[0]["weights"]  # bit-identical on CPU
     assert a[0]["schedule"] == [3, 1]
 
 
-def test_preempted_run_resumes_to_the_uninterrupted_weights(tmp_path):
-    reference = finished("exact_a", tmp_path / "ref")
+def test_preempted_run_resumes_to_the_uninterrupted_weights(tmp_path, exact_a):
+    reference = exact_a
     stopped = run_case("preempt_first", tmp_path / "run")
     assert all("SIGTERMException" in r.get("error", "") for r in stopped)
     assert stopped[0]["weights"] == stopped[1]["weights"]
