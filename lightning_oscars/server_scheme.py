@@ -131,7 +131,10 @@ class ParameterServerScheme(ModelAveraging):
         if steps is None:
             self._load(self.server.push_pull(delta, busy_s=busy))
         else:
-            self._load(self.server.push_pull(delta, busy_s=busy, more=steps.continues_round()))
+            # Only a lockstep rule reads "more"; asking decides the next slot now, before this push's wait, which
+            # the others' deadline pacing would rather decide after it.
+            more = steps.continues_round() if self.lockstep else True
+            self._load(self.server.push_pull(delta, busy_s=busy, more=more))
             if self.server.round_closed:
                 steps.close_round()
         self._since = time.perf_counter()
