@@ -41,6 +41,7 @@ def check_lightning_version() -> None:
 check_lightning_version()
 
 import inspect  # noqa: E402
+import os  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import Callable, Iterable  # noqa: E402
@@ -167,8 +168,16 @@ class LightningAdapter:
         self, trainer: Trainer, on_sigterm: Callable[[], None], on_requeue: Callable[[], None]
     ) -> None:
         original = trainer._signal_connector._original_handlers.get(signal.SIGTERM)
+        received: list[int] = []
 
         def sigterm(signum: int, frame: Any) -> None:
+            if received:
+                # A second SIGTERM means now, not at the round boundary, which a rank blocked in a collective
+                # would never reach: the default action (the process ends, as it would without oscars).
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
+            received.append(signum)
             on_sigterm()
             if callable(original) and original not in (signal.SIG_IGN, signal.SIG_DFL):
                 original(signum, frame)

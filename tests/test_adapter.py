@@ -101,3 +101,34 @@ def test_validation_slots_are_none_when_the_epoch_does_not_validate_by_its_own_b
     assert points is not None and points(20) == (4, 7, 11, 14, 18)  # batches 7, 14, ...: the slots holding them
     monkeypatch.setattr(pl.Trainer, "enable_validation", property(lambda self: False))
     assert adapter.validation_slots(trainer, 1) is None
+
+
+_SIGTERM_SCRIPT = """
+import os, signal, sys, time
+from types import SimpleNamespace
+from lightning_oscars.adapter import LightningAdapter
+
+trainer = SimpleNamespace(
+    _signal_connector=SimpleNamespace(_original_handlers={}),
+    _accelerator_connector=SimpleNamespace(cluster_environment=None),
+)
+adapter = LightningAdapter(lambda: True, None)
+adapter._install_signal_handlers(trainer, lambda: print("deferred", flush=True), lambda: None)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+print("alive", flush=True)  # the first one waits for the round boundary
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("still alive", flush=True)
+"""
+
+
+def test_a_second_sigterm_ends_the_process_at_once():
+    # The first SIGTERM is deferred to the round boundary (every rank stops at one batch); a rank blocked in a
+    # collective never reaches it, so a second SIGTERM takes the default action, as without oscars.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _SIGTERM_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["deferred", "alive"], done.stdout + done.stderr
+    assert done.returncode == -15, done.returncode
