@@ -207,7 +207,7 @@ class Shard:
         """Only peers that ended ``worker``'s round hold it back: it gets a reply (it must reach the round's collective
         too), but a closed one (:meth:`closing`): it takes no further step in the round."""
         clocks, exempt = self.view(worker)
-        return self.rule.may_start(worker, clocks, self.times, self._now(), exempt)
+        return self.rule.would_start(worker, clocks, self.times, self._now(), exempt)
 
     def lead(self, worker: int) -> int:
         """How many more pushes ``worker`` made in its round than the fewest of any other worker's in it (one that

@@ -117,6 +117,13 @@ class StalenessRule:
         required = self.required_clock(worker, rounds, times, now, exempt)
         return required is None or min(rounds[w] for w in others) >= required
 
+    def would_start(
+        self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
+    ) -> bool:
+        """:meth:`may_start` as a question only: the rule's state is left as it was (a shard asks what an answer
+        would be under another view of the clocks)."""
+        return self.may_start(worker, clocks, times, now, exempt)
+
     def pushed(
         self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
     ) -> None:
@@ -206,6 +213,16 @@ class DSSP(StalenessRule):
     def restart(self, worker: int) -> None:
         self.granted.pop(worker, None)
         self._threshold.pop(worker, None)
+
+    def would_start(
+        self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float, exempt: Set[int] = NOBODY
+    ) -> bool:
+        # The grant at the slowest clock is state: asked under another view it would be reset and re-drawn.
+        granted, threshold = dict(self.granted), dict(self._threshold)
+        try:
+            return self.may_start(worker, clocks, times, now, exempt)
+        finally:
+            self.granted, self._threshold = granted, threshold
 
     def _extra(self, worker: int, clocks: Sequence[int], times: WorkerTimes, now: float) -> int:
         """Further iterations ``r`` in ``0..s_range`` whose predicted end is closest to the slowest's next push."""

@@ -92,3 +92,21 @@ def test_invalid_options_are_rejected_naming_the_option():
         DASP(leave=1.2, rejoin=1.5)
     with pytest.raises(ValueError, match="smoothing"):
         WorkerTimes(2, smoothing=0.0)
+
+
+def test_asking_under_another_view_leaves_dssps_grant_as_it_was():
+    # Three workers: 0 fast, 1 slow, 2 ended the round at clock 1 (a shard's "released" view makes it exempt). The
+    # grant worker 0 holds at the slowest clock must survive that question: asked under the other view, DSSP would
+    # reset it to s_low and draw it again (a second call of the rule per query, with 3 or more workers).
+    rule = DSSP(s_low=1, s_range=4)
+    times = WorkerTimes(3)
+    times.iteration_s = [1.0, 5.0, 3.0]
+    times.last_push = [0.0, 0.0, 0.0]
+    clocks = [4, 2, 1]
+    assert rule.may_start(0, clocks, times, now=0.0)  # the bounded view: worker 2 at its final clock 1
+    granted, threshold = dict(rule.granted), rule.threshold(0)
+    assert granted == {0: 1} and threshold == 4  # s_low + 3: worker 2's next push is 3 of worker 0's steps away
+    rule.would_start(0, clocks, times, now=0.0, exempt={2})  # the released view: worker 2 exempt
+    assert rule.granted == granted and rule.threshold(0) == threshold
+    rule.may_start(0, clocks, times, now=0.0, exempt={2})  # the state-changing question would have redrawn it
+    assert rule.granted != granted or rule.threshold(0) != threshold
