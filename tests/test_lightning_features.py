@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-from test_multiprocess import _batched, finished, run_case
+from test_multiprocess import _batched, finished, refused, run_case
 
 pytestmark = pytest.mark.multiprocess
 
@@ -113,8 +113,8 @@ def test_fast_dev_run_works_with_default_options(tmp_path, tmp_path_factory):
     assert fast["global_step"] == slow["global_step"] == 1
 
 
-def test_batch_size_finder_fails_clearly(tmp_path):
-    results = run_case("batch_size_finder", tmp_path)
+def test_batch_size_finder_fails_clearly(tmp_path_factory):
+    results = refused("batch_size_finder", tmp_path_factory)
     for r in results:
         assert "not supported with distributed strategies" in r.get("error", ""), r.get("error")
 

@@ -130,6 +130,8 @@ BATCHES = {
         "optimizer_state_lbfgs",
         "fast_dev_run",
     ),
+    # Fits refused at setup with a clear error (no collective has run): each leaves the process group as it was.
+    "refused": ("iterable", "tiny_dataset", "batch_size_finder"),
 }
 BATCHED = {case: batch for batch, cases in BATCHES.items() for case in cases}
 _batch_dirs: dict[str, Path] = {}
@@ -150,6 +152,11 @@ def _batched(case: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
             pytest.fail(f"rank {rank} wrote no result for {case} in batch {batch!r}; its log ends:\n{log[-6000:]}")
         results.append(json.loads(path.read_text()))
     return results
+
+
+def refused(case: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The case's two results from its batch's shared run, where ``fit`` raised (the test checks the error)."""
+    return _batched(case, tmp_path_factory)
 
 
 def finished(case: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory | None = None) -> list[dict]:
@@ -392,8 +399,8 @@ def test_checkpoint_resume(tmp_path, resumable):
     assert times[1] > 2.3 * times[0], times
 
 
-def test_iterable_dataset_fails_clearly(tmp_path):
-    results = run_case("iterable", tmp_path)
+def test_iterable_dataset_fails_clearly(tmp_path_factory):
+    results = refused("iterable", tmp_path_factory)
     assert all("IterableDataset" in r.get("error", "") for r in results)
 
 
@@ -488,8 +495,8 @@ def test_warmup_longer_than_max_steps_shrinks_to_the_run(tmp_path, tmp_path_fact
     assert fast["history"][0]["local_steps"] == [5, 5]
 
 
-def test_dataset_smaller_than_one_step_per_rank_fails_clearly(tmp_path):
-    results = run_case("tiny_dataset", tmp_path)
+def test_dataset_smaller_than_one_step_per_rank_fails_clearly(tmp_path_factory):
+    results = refused("tiny_dataset", tmp_path_factory)
     for r in results:
         assert "fewer than one optimizer step for each of the 2 ranks" in r.get("error", ""), r.get("error")
 
@@ -554,9 +561,9 @@ def test_a_killed_rank_is_reported_and_nothing_is_left_running(tmp_path):
         assert "[rank: 1] Child process" in log and "terminated with code -9" in log, log[-3000:]
 
 
-@pytest.mark.soak
+@pytest.mark.extended
 def test_soak_random_speed_changes_for_hundreds_of_rounds(tmp_path):
-    """Skip locally with -m 'not soak'; CI runs it."""
+    """Outside the default run (``pytest -m extended``); CI runs it."""
     fast, slow = finished("soak", tmp_path)  # identical weights on both ranks, no hang (hard timeout)
     rounds = len(fast["history"])
     # Hundreds of rounds: 266 in 45 s on a 2-core CI VM with the 0.02 efficiency tolerance (longer rounds than 0.05).

@@ -38,6 +38,10 @@ print("imported", lightning_oscars.__version__)
 """
 
 
+# Building and installing a wheel takes half a minute: outside the default run (``pytest -m extended``), CI runs it.
+pytestmark = pytest.mark.extended
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")

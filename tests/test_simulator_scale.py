@@ -19,7 +19,6 @@ from test_groups import drive  # noqa: E402
 
 from benchmarks.simulator.cluster import Cluster  # noqa: E402
 from benchmarks.simulator.engine import simulate_bsp  # noqa: E402
-from benchmarks.simulator.paradigms import simulate_paradigm  # noqa: E402
 from benchmarks.simulator.ripples import log_scaled_exchange, simulate_ripples  # noqa: E402
 from benchmarks.simulator.scale_paradigms import (  # noqa: E402
     CLUSTERS,
@@ -36,6 +35,7 @@ from benchmarks.simulator.scale_paradigms import (  # noqa: E402
     markdown,
     scale_study,
 )
+from benchmarks.simulator.server import simulate_paradigm  # noqa: E402
 from lightning_oscars.groups import GroupBoard  # noqa: E402
 from lightning_oscars.staleness import ASP, DASP, DSSP, SSP  # noqa: E402
 

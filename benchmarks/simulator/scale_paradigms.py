@@ -56,8 +56,8 @@ import numpy as np
 from benchmarks.simulator.cluster import Cluster
 from benchmarks.simulator.engine import SimResult, simulate_bsp, simulate_oscars
 from benchmarks.simulator.jitter import scale_cluster
-from benchmarks.simulator.paradigms import simulate_paradigm
 from benchmarks.simulator.ripples import log_scaled_exchange, simulate_ripples
+from benchmarks.simulator.server import simulate_paradigm
 from benchmarks.tables import markdown_table
 from lightning_oscars.staleness import ASP, DASP, DSSP, SSP, StalenessRule, WorkerTimes
 
