@@ -99,6 +99,8 @@ BATCHES = {
         "max_time",
         "eval_after_fit",
         "warmup_too_long",
+        "checkpoint",
+        "loggers",
     ),
     "rounds": (
         "basic",
@@ -152,6 +154,11 @@ def _batched(case: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
             pytest.fail(f"rank {rank} wrote no result for {case} in batch {batch!r}; its log ends:\n{log[-6000:]}")
         results.append(json.loads(path.read_text()))
     return results
+
+
+def case_dir(case: str) -> Path:
+    """Where a batched case wrote its files (its batch must have run: ``finished`` or ``refused`` first)."""
+    return _batch_dirs[BATCHED[case]] / case
 
 
 def refused(case: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
@@ -311,11 +318,12 @@ def test_sync_dist_on_epoch(tmp_path, tmp_path_factory):
     assert fast["metrics"]["epoch_loss"] == pytest.approx(slow["metrics"]["epoch_loss"])
 
 
-def test_model_checkpoint(tmp_path):
-    finished("checkpoint", tmp_path)
-    assert (tmp_path / "best" / "last.ckpt").exists()
-    assert len(list((tmp_path / "best").glob("*.ckpt"))) == 3  # top-2 + last
-    assert len(list((tmp_path / "steps").glob("*.ckpt"))) >= 5
+def test_model_checkpoint(tmp_path, tmp_path_factory):
+    finished("checkpoint", tmp_path, tmp_path_factory)
+    out = case_dir("checkpoint")
+    assert (out / "best" / "last.ckpt").exists()
+    assert len(list((out / "best").glob("*.ckpt"))) == 3  # top-2 + last
+    assert len(list((out / "steps").glob("*.ckpt"))) >= 5
 
 
 def test_early_stopping(tmp_path, tmp_path_factory):
@@ -323,11 +331,12 @@ def test_early_stopping(tmp_path, tmp_path_factory):
     assert fast["epoch"] < 29
 
 
-def test_loggers_lr_monitor_progress_bar(tmp_path):
-    fast, _ = finished("loggers", tmp_path)
-    metrics = next((tmp_path / "csv").rglob("metrics.csv")).read_text()
+def test_loggers_lr_monitor_progress_bar(tmp_path, tmp_path_factory):
+    fast, _ = finished("loggers", tmp_path, tmp_path_factory)
+    out = case_dir("loggers")
+    metrics = next((out / "csv").rglob("metrics.csv")).read_text()
     assert "train_loss_step" in metrics and "lr-SGD" in metrics
-    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert list((out / "tb").rglob("events.out.tfevents.*"))
     # The schedule monitor logged every round through the same loggers, one row per round.
     header, *rows = metrics.splitlines()
     columns = header.split(",")
