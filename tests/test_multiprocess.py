@@ -131,6 +131,8 @@ BATCHES = {
         "optimizer_state_unused_head",
         "optimizer_state_lbfgs",
         "fast_dev_run",
+        "slow_checkpoint_write",
+        "builtin_callbacks",
     ),
     # Fits refused at setup with a clear error (no collective has run): each leaves the process group as it was.
     "refused": ("iterable", "tiny_dataset", "batch_size_finder"),
