@@ -70,6 +70,13 @@ CONFIGS = {
     "ssp-3": ["--strategy", "ssp", "--option", "staleness=3"],
     "ssp-15": ["--strategy", "ssp", "--option", "staleness=15"],
     "dssp": ["--strategy", "dssp"],
+    # where the momentum lives under a stale server: on the server (workers on plain SGD), or nowhere
+    "ssp-3-server-momentum": ["--strategy", "ssp", "--option", "staleness=3", "--option", "server_momentum=0.9"]
+    + ["--momentum", "0"],
+    "ssp-3-no-momentum": ["--strategy", "ssp", "--option", "staleness=3", "--momentum", "0"],
+    "ssp-15-server-momentum": ["--strategy", "ssp", "--option", "staleness=15", "--option", "server_momentum=0.9"]
+    + ["--momentum", "0"],
+    "asp-server-momentum": ["--strategy", "asp", "--option", "server_momentum=0.9", "--momentum", "0"],
     "dasp": ["--strategy", "dasp"],
     # the decentralized paradigm: Ripples' partial all-reduce in groups
     # (the seed's synchronous partial all-reduce, and with the exchange overlapped with the next step: the default)

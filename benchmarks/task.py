@@ -107,6 +107,7 @@ class BenchModule(LightningModule):
     def __init__(
         self,
         lr: float = 0.05,
+        momentum: float = 0.9,
         batch_size: int = 64,
         n_train: int = 16384,
         hidden: int = 512,
@@ -185,7 +186,7 @@ class BenchModule(LightningModule):
         self.cluster = [dict(zip(keys, row.tolist())) for row in gathered]
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
 
     def train_dataloader(self):
         data = make_dataset(self.hparams.n_train, seed=0, noise=self.hparams.noise)

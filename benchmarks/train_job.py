@@ -82,6 +82,7 @@ def main() -> None:
     p.add_argument("--n-train", type=int, default=16384)
     p.add_argument("--ballast-mb", type=float, default=0.0, help="MB of extra parameters every all-reduce carries")
     p.add_argument("--option", action="append", default=[], help="OscarsStrategy option as key=JSON value")
+    p.add_argument("--momentum", type=float, default=0.9, help="the workers' SGD momentum")
     p.add_argument("--progress", action="store_true", help="show Lightning's progress bar")
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -93,6 +94,7 @@ def main() -> None:
         n_train=a.n_train,
         jitter=a.jitter,
         ballast_mb=a.ballast_mb,
+        momentum=a.momentum,
     )
     options = {"solver": a.solver, "averaging": a.averaging, **strategy_options(a.option)}
     strategy: object = a.strategy
@@ -121,6 +123,8 @@ def main() -> None:
         name = a.strategy if a.strategy != "oscars" else f"oscars-{a.solver}-{a.averaging}"
         if a.strategy in PARADIGMS and a.option:
             name += "-" + ",".join(a.option)
+        if a.momentum != 0.9:
+            name += f"-momentum={a.momentum:g}"
         allreduce = [r["allreduce_time"] for r in history[1:]]
         result = {
             "strategy": name,

@@ -16,8 +16,12 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from lightning_oscars.adapter import LightningAdapter
 from lightning_oscars.groups import Generator, validate_options
@@ -131,21 +135,48 @@ class StepSyncStrategy(OscarsStrategy):
 
 
 class ParameterServerStrategy(StepSyncStrategy):
-    """Training on the in-job parameter server under a staleness rule (see the module docstring); options as
-    :class:`StepSyncStrategy`'s."""
+    """Training on the in-job parameter server under a staleness rule (see the module docstring).
+
+    Args:
+        server_momentum: the servers' own heavy-ball momentum on every push they apply (``0``, the default: none,
+            the workers' optimizers keep their momentum). With it, give the workers a plain optimizer (SGD without
+            momentum): the momentum then integrates every worker's updates where they meet, instead of each
+            worker re-applying its own stale gradients (README, "Momentum").
+        Other options as :class:`StepSyncStrategy`'s.
+    """
 
     strategy_name = "parameter_server"
     not_served = {**_NOT_SERVED, **_NOT_SERVED_ON_THE_SERVER}
 
+    def __init__(self, server_momentum: float = 0.0, **kwargs: Any) -> None:
+        self.server_momentum = server_momentum
+        super().__init__(**kwargs)
+
     def validate(self) -> None:
+        momentum = self.server_momentum
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"server_momentum must be a number in [0, 1), got {momentum!r}")
         self.make_rule()
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        if self.server_momentum and trainer.state.fn == TrainerFn.FITTING:
+            for optimizer in trainer.optimizers:
+                if any(group.get("momentum") or group.get("betas") for group in optimizer.param_groups):
+                    rank_zero_warn(
+                        f"strategy={self.strategy_name!r} with server_momentum={self.server_momentum} and an optimizer"
+                        f" with momentum of its own ({type(optimizer).__name__}): the two compound. Give the workers"
+                        " plain SGD (momentum=0) when the server holds the momentum."
+                    )
+                    break
 
     def make_rule(self) -> StalenessRule:
         """A fresh staleness rule for one fit."""
         raise NotImplementedError
 
     def make_scheme(self) -> SyncScheme:
-        return ParameterServerScheme(self.make_rule, timeout_s=self.timeout_s)
+        return ParameterServerScheme(self.make_rule, timeout_s=self.timeout_s, server_momentum=self.server_momentum)
 
 
 class BSPStrategy(ParameterServerStrategy):

@@ -89,6 +89,7 @@ class ParameterServer:
         group_factory: Callable[[], Any] | None = None,
         timeout_s: float = 1800.0,
         peer_failure: Callable[[], str | None] | None = None,
+        momentum: float = 0.0,
     ) -> None:
         self.peer_failure = peer_failure
         self.rank = dist.get_rank()
@@ -98,7 +99,8 @@ class ParameterServer:
         self._replies: Any = make()
         self.bounds = shard_bounds(flat.numel(), self.world_size)
         start, end = self.bounds[self.rank]
-        self.shard = Shard(flat.detach().to("cpu", torch.float32).reshape(-1)[start:end].clone(), self.world_size, rule)
+        values = flat.detach().to("cpu", torch.float32).reshape(-1)[start:end].clone()
+        self.shard = Shard(values, self.world_size, rule, momentum=momentum)
         self.timeout_s = float(timeout_s)
         self.clock = 0
         self.waited_s = 0.0
@@ -283,6 +285,26 @@ class ParameterServer:
             raise RuntimeError(f"parameter server: rank {self.rank}'s server still waits for other ranks to stop")
         if self._error is not None:
             raise RuntimeError(f"parameter server: rank {self.rank}'s server failed: {self._error}") from self._error
+
+    def gather_velocity(self, device: torch.device | str = "cpu") -> Tensor | None:
+        """Every shard's momentum buffer, whole and flat, on every rank (on the CPU). Collective over the default
+        group, its all-reduce on ``device``: every rank, between rounds, when no push is in flight. ``None`` without
+        server momentum (the same answer on every rank)."""
+        own = self.shard.velocity_copy()
+        if own is None:
+            return None
+        whole = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        start, end = self.bounds[self.rank]
+        whole[start:end] = own.to(device)
+        dist.all_reduce(whole)
+        return whole.cpu()
+
+    def load_velocity(self, whole: Tensor) -> None:
+        """Resume this shard's momentum buffer from a whole one (:meth:`gather_velocity`'s)."""
+        if whole.numel() != self.numel:
+            raise ValueError(f"a server momentum buffer of {whole.numel()} values cannot resume {self.numel}")
+        start, end = self.bounds[self.rank]
+        self.shard.load_velocity(whole.reshape(-1)[start:end].to(torch.float32))
 
     def staleness(self) -> Sequence[int]:
         """Staleness at every grant of this rank's shard (see :class:`Shard`)."""

@@ -64,6 +64,9 @@ class ParameterServerScheme(ModelAveraging):
         make_rule: a fresh staleness rule for one fit.
         device: where the round-end all-reduce runs.
         timeout_s: the longest a worker waits for a server before it names the rank.
+        server_momentum: the servers' momentum on every push they apply (``0``: none; the workers' optimizers keep
+            theirs). Its buffer is gathered at every round's end (one more all-reduce of the model's size) so that
+            checkpoints carry it.
     """
 
     name = "parameter_server"
@@ -74,9 +77,12 @@ class ParameterServerScheme(ModelAveraging):
         make_rule: Callable[[], StalenessRule],
         device: torch.device | str | None = None,
         timeout_s: float = 600.0,
+        server_momentum: float = 0.0,
     ) -> None:
         super().__init__(device)
         self.make_rule = make_rule
+        self.server_momentum = float(server_momentum)
+        self._velocity: Tensor | None = None  # the servers' momentum buffer at the last round's end, whole
         # Every rank takes one step per clock (BSP): the session packs a round's real steps at its start and lets the
         # server close rounds (see the module docstring).
         rule = make_rule()
@@ -111,7 +117,10 @@ class ParameterServerScheme(ModelAveraging):
         self._base = flat_copy(self._params)
         board = FailureBoard.from_default_group(dist.get_world_size())
         failure = None if board is None else lambda: _first_error(board)
-        self.server = ParameterServer(self._base, self.make_rule(), timeout_s=self.timeout_s, peer_failure=failure)
+        self.server = ParameterServer(
+            self._base, self.make_rule(), timeout_s=self.timeout_s, peer_failure=failure, momentum=self.server_momentum
+        )
+        self._velocity = None
         self._since = time.perf_counter()
 
     def _load(self, flat: Tensor) -> None:
@@ -147,10 +156,27 @@ class ParameterServerScheme(ModelAveraging):
         server.end_round()  # nobody waits for this rank any more this round
         held = {id(p) for p in self._params}
         self.average([t for t in tensors if id(t) not in held], meeting)
+        # Nobody pushes again before every rank has joined this all-reduce, so every shard's buffer is the round's.
+        self._velocity = server.gather_velocity(self.device or meeting.device)
         # Everybody is past the all-reduce, so every push of the round has been applied; the pull returns that
         # state even to a rank that pulls after a faster one pushed again: every rank starts the round from it.
         self._load(server.pull())
         self._since = time.perf_counter()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self._velocity is None else {"server_velocity": self._velocity}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        velocity = (state or {}).get("server_velocity")
+        if velocity is None or self.server is None or not self.server_momentum:
+            return
+        if velocity.numel() != self.server.numel:
+            raise ValueError(
+                f"the checkpoint's server momentum buffer holds {velocity.numel()} values, the model's trainable"
+                f" parameters {self.server.numel}: was it written for another model?"
+            )
+        self.server.load_velocity(velocity)
+        self._velocity = velocity.clone()
 
     def release(self) -> None:
         super().release()

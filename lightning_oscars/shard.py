@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor
 
 from lightning_oscars.staleness import StalenessRule, WorkerTimes
@@ -41,14 +42,26 @@ class Shard:
         world_size: workers; every push is applied as ``delta / world_size``.
         rule: when a worker may start its next iteration.
         now: clock for the rule's timing (DSSP's predictions).
+        momentum: the server's own heavy-ball momentum (``0``: none). Every push then updates a velocity,
+            ``v = momentum * v + delta / world_size``, and the shard moves by ``v``: the update rule's momentum lives
+            on the server, where every worker's pushes meet, instead of in each worker's optimizer.
     """
 
     def __init__(
-        self, values: Tensor, world_size: int, rule: StalenessRule, now: Callable[[], float] = time.perf_counter
+        self,
+        values: Tensor,
+        world_size: int,
+        rule: StalenessRule,
+        now: Callable[[], float] = time.perf_counter,
+        momentum: float = 0.0,
     ) -> None:
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"the server's momentum must be in [0, 1), got {momentum}")
         self.values = values
         self.world_size = world_size
         self.rule = rule
+        self.momentum = float(momentum)
+        self.velocity = torch.zeros_like(values) if momentum else None
         self.clocks = [0] * world_size  # pushes within the worker's current round
         self.rounds = [0] * world_size  # rounds every worker ended (its END_ROUNDs this shard has seen)
         self.final = [0] * world_size  # every worker's clock when it ended its last round
@@ -111,7 +124,7 @@ class Shard:
             if self._round_start is None or self._round_start[0] < this_round:
                 self._round_start = (this_round, self.values.clone())  # the first push of the round
             if delta.numel():
-                self.values.add_(delta, alpha=1.0 / self.world_size)
+                self._apply(delta)
             self.clocks[worker] = clock
             self.more[worker] = bool(more)
             now = self._now()
@@ -127,6 +140,24 @@ class Shard:
                 self._take_ready()
             self._changed.notify_all()
             return self.rule.decision(worker)
+
+    def _apply(self, delta: Tensor) -> None:
+        if self.velocity is None:
+            self.values.add_(delta, alpha=1.0 / self.world_size)
+        else:
+            self.velocity.mul_(self.momentum).add_(delta, alpha=1.0 / self.world_size)
+            self.values.add_(self.velocity)
+
+    def velocity_copy(self) -> Tensor | None:
+        """The server's momentum buffer for this shard (a copy; ``None`` without server momentum)."""
+        with self._changed:
+            return None if self.velocity is None else self.velocity.clone()
+
+    def load_velocity(self, velocity: Tensor) -> None:
+        """Resume the momentum buffer (a checkpoint's); ignored without server momentum."""
+        with self._changed:
+            if self.velocity is not None:
+                self.velocity.copy_(velocity.reshape(self.velocity.shape))
 
     def stop(self, worker: int) -> None:
         with self._changed:
