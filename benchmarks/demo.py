@@ -5,7 +5,8 @@
 Both runs train the same model on the same data (benchmarks/task.py) for the same number of epochs, with
 rank 1 emulated 3x slower. Prints a table (training wall time, samples/s, fraction of ideal throughput, idle time
 per rank, final validation accuracy, speed-up) and writes a plot of validation loss against training wall time
-for both to benchmarks/results/demo.png (and the figures to demo.json).
+for both to benchmarks/results/demo.png, oscars' schedule as a timeline to demo_timeline.png (one lane per rank:
+real steps, waiting, averaging) and the figures to demo.json.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 from pathlib import Path
 
 from benchmarks.heterogeneous import CONFIGS, plot, run, summarize
+from lightning_oscars import plot_timeline
 
 
 def main() -> None:
@@ -55,6 +57,10 @@ def main() -> None:
     plot({f"1x/{a.slowdown.split(':')[-1]}x": summary}, out / "demo.png")
     (out / "demo.json").write_text(json.dumps(summary, indent=1))
     print(f"plot of validation loss against wall time: {out / 'demo.png'}")
+    history = oscars["runs"][0].get("history")
+    if history:
+        plot_timeline(history, out / "demo_timeline.png", title=f"oscars, slowdown {a.slowdown}", max_rounds=40)
+        print(f"oscars' schedule, round by round: {out / 'demo_timeline.png'}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from lightning_oscars.solver import (
     solve_schedule_alg1,
 )
 from lightning_oscars.strategy import OscarsStrategy
+from lightning_oscars.timeline import plot_timeline
 
 __version__ = "0.1.0"
 
@@ -65,6 +66,7 @@ __all__ = [
     "check_lightning_version",
     "plan_rounds",
     "planned_slots",
+    "plot_timeline",
     "round_metrics",
     "round_quotas",
     "schedule_from_local_steps",

@@ -1,5 +1,5 @@
 """Making the schedule visible: per-round metrics to the user's loggers, the local tau in the progress bar, and a
-text summary at the end of ``fit``.
+text summary and a timeline picture at the end of ``fit``.
 
 Everything here reads :attr:`OscarsStrategy.history`, whose records every rank already agreed on in the round's
 all-reduce: the monitor adds no collective of its own.
@@ -7,15 +7,19 @@ all-reduce: the monitor adds no collective of its own.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_oscars.control import RoundRecord
+from lightning_oscars.timeline import plot_timeline
 
 __all__ = ["ScheduleMonitor", "round_metrics", "run_fraction_of_ideal", "summarize_history"]
 
@@ -105,17 +109,28 @@ class ScheduleMonitor(Callback):
     per rank ``tau``, ``step_time_s``, ``idle_s`` and ``utilization`` (as ``.../rank{i}``; summarised as
     ``min``/``median``/``max`` beyond 32 ranks unless ``per_rank`` says otherwise). The progress bar shows
     the local rank's ``tau`` and the last round's cluster utilisation (``util``). At the end of ``fit`` rank 0
-    prints a short summary.
+    prints a short summary and, with matplotlib installed, draws the schedule (:func:`plot_timeline`): to a
+    TensorBoard logger as the figure ``oscars/timeline``, to any other logger with a directory as
+    ``oscars_timeline.png`` in it.
 
     Args:
         log_every_n_rounds: log one round in this many (all rounds by default).
         per_rank: log every rank's series; ``None`` means "if there are at most 32 ranks".
         prog_bar: show ``tau`` and ``util`` in the progress bar.
         summary: print the end-of-fit summary.
+        timeline: draw the schedule at the end of ``fit`` (rank 0, to the loggers; nothing without a logger or
+            without matplotlib).
+        timeline_rounds: draw at most this many rounds (the first ones), so that long fits stay legible.
     """
 
     def __init__(
-        self, log_every_n_rounds: int = 1, per_rank: bool | None = None, prog_bar: bool = True, summary: bool = True
+        self,
+        log_every_n_rounds: int = 1,
+        per_rank: bool | None = None,
+        prog_bar: bool = True,
+        summary: bool = True,
+        timeline: bool = True,
+        timeline_rounds: int = 60,
     ) -> None:
         if isinstance(log_every_n_rounds, bool) or not isinstance(log_every_n_rounds, int) or log_every_n_rounds < 1:
             raise ValueError(f"log_every_n_rounds must be an integer >= 1, got {log_every_n_rounds!r}")
@@ -123,6 +138,9 @@ class ScheduleMonitor(Callback):
         self.per_rank = per_rank
         self.prog_bar = prog_bar
         self.summary = summary
+        self.timeline = timeline
+        self.timeline_rounds = timeline_rounds
+        self.timeline_paths: list[str] = []  # where the last fit's timeline went (PNG files, TensorBoard runs)
         self._logged = 0  # history records already handled
 
     @override
@@ -151,6 +169,33 @@ class ScheduleMonitor(Callback):
         if self.summary and trainer.world_size > 1 and history:
             name = getattr(trainer.strategy, "strategy_name", "oscars")
             rank_zero_info(summarize_history(history, name))
+        if self.timeline and trainer.world_size > 1 and history and trainer.is_global_zero:
+            self._draw_timeline(trainer, history)
+
+    def _draw_timeline(self, trainer: Trainer, history: Sequence[RoundRecord]) -> None:
+        if importlib.util.find_spec("matplotlib") is None:
+            return
+        import matplotlib.pyplot as plt
+
+        title = getattr(trainer.strategy, "strategy_name", "oscars")
+        for logger in trainer.loggers:
+            figure = None
+            try:
+                if isinstance(logger, TensorBoardLogger):
+                    figure = plot_timeline(history, title=title, max_rounds=self.timeline_rounds)
+                    step = trainer.global_step
+                    logger.experiment.add_figure("oscars/timeline", figure, global_step=step, close=False)
+                    self.timeline_paths.append(str(logger.log_dir))
+                elif logger.log_dir is not None:
+                    path = Path(logger.log_dir) / "oscars_timeline.png"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    figure = plot_timeline(history, path, title=title, max_rounds=self.timeline_rounds)
+                    self.timeline_paths.append(str(path))
+            except Exception as error:  # noqa: BLE001 - a picture never fails a finished fit
+                rank_zero_warn(f"oscars: could not draw the schedule's timeline: {type(error).__name__}: {error}")
+            finally:
+                if figure is not None:
+                    plt.close(figure)  # only our own: the user's figures stay open
 
     def _flush(self, trainer: Trainer) -> bool:
         """Log the rounds recorded since the last call; return whether there were any."""

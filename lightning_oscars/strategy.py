@@ -10,6 +10,7 @@ through ``callbacks`` and ``adapter.LightningAdapter`` (every private Lightning 
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -24,6 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_oscars._c10d import default_store_or_none, destroy_gloo_group_at_exit
@@ -46,6 +48,8 @@ Averaging = Literal["uniform", "samples"]
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 # The barrier Lightning's Trainer.save_checkpoint holds after every write: the other ranks wait there for the writer.
 CHECKPOINT_BARRIER = "Trainer.save_checkpoint"
+# What DDPStrategy would pass on to the wrapper: such an option is dropped with a warning, any other is an error.
+_DDP_WRAPPER_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
 
 
 class OscarsStrategy(OscarsOptions, DDPStrategy):
@@ -143,7 +147,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
     ) -> None:
         # Not forwarded to DDPStrategy: they configure a wrapper oscars does not use, and forwarding would make
         # LightningCLI list every DistributedDataParallel argument among this strategy's options.
-        check_ddp_wrapper_options(ddp_wrapper_kwargs, rank_zero_warn)
+        check_ddp_wrapper_options(ddp_wrapper_kwargs, rank_zero_warn, _DDP_WRAPPER_OPTIONS)
         DDPStrategy.__init__(
             self,
             accelerator=accelerator,

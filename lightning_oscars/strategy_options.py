@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from lightning_oscars.outer import OuterNesterovAveraging
@@ -171,13 +171,34 @@ class OscarsOptions:
         )
 
 
-def check_ddp_wrapper_options(options: dict[str, Any], warn: Callable[[str], Any]) -> None:
-    """DDP gradient hooks would silently do nothing without the DDP wrapper: an error. The wrapper's other
-    options (``find_unused_parameters``, ``static_graph``, ...) are harmless to drop: a warning."""
+# Options of other strategies of the package that a user may pass to the wrong one: named in the error.
+_OPTIONS_ELSEWHERE = {
+    "server_momentum": "the parameter-server strategies (bsp, asp, ssp, dssp, dasp)",
+    "staleness": "strategy='ssp'",
+    "s_low": "strategy='dssp'",
+    "s_range": "strategy='dssp'",
+    "group_size": "strategy='ripples'",
+    "generator": "strategy='ripples'",
+}
+
+
+def check_ddp_wrapper_options(
+    options: dict[str, Any], warn: Callable[[str], Any], wrapper_options: Collection[str]
+) -> None:
+    """DDP gradient hooks would silently do nothing without the DDP wrapper: an error. A name that is none of
+    ``wrapper_options`` (``DistributedDataParallel``'s) either, a typo or another strategy's option: an error. The
+    wrapper's other options (``find_unused_parameters``, ``static_graph``, ...) are harmless to drop: a warning."""
     hooks = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
     for name in hooks:
         if options.get(name) is not None:
             raise ValueError(f"{name} is a DDP gradient-hook option; oscars does not wrap the model in DDP")
+    for name in options:
+        if name not in wrapper_options and name not in hooks:
+            where = _OPTIONS_ELSEWHERE.get(name)
+            raise TypeError(
+                f"unexpected option {name}={options[name]!r}"
+                + (f": it is an option of {where}" if where else ": neither this strategy's nor DDP's")
+            )
     ignored = sorted(name for name in options if name not in hooks)
     if ignored:
         warn("oscars does not wrap the model in DistributedDataParallel; ignoring " + ", ".join(ignored))

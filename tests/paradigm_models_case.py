@@ -21,10 +21,14 @@ import lightning as L  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-import lightning_oscars  # noqa: E402,F401 - registers the strategies by name
+import lightning_oscars  # noqa: E402 - registers the strategies by name
 from lightning_oscars import HeterogeneityEmulator  # noqa: E402
 
-STRATEGIES = ("oscars", "oscars_alg1", "local_sgd", "bsp", "asp", "ssp", "dssp", "dasp", "ripples")
+# ``ssp+server_momentum``: ssp with the momentum on the server and plain SGD on the workers.
+STRATEGIES = (
+    *("oscars", "oscars_alg1", "local_sgd", "bsp", "asp", "ssp", "dssp", "dasp", "ripples"),
+    "ssp+server_momentum",
+)
 MODELS = ("mlp", "batchnorm", "frozen")
 SAMPLES, BATCH_SIZE, FEATURES, CLASSES = 64, 4, 6, 3
 STEP_COST_S = 0.004  # emulated compute per step: the emulator's 3x sleeps in proportion to it
@@ -56,8 +60,9 @@ def make_net(model: str) -> nn.Module:
 
 
 class IndexedModule(L.LightningModule):
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, momentum: float = 0.9) -> None:
         super().__init__()
+        self.momentum = momentum
         self.net = make_net(model)
         self.trained: dict[int, list[int]] = {}  # epoch -> indices of the samples this rank trained on
 
@@ -68,22 +73,38 @@ class IndexedModule(L.LightningModule):
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=self.momentum)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(IndexedBlobs(), batch_size=BATCH_SIZE, shuffle=True)
 
 
-def fit_one(strategy: str, model: str) -> dict:
+class ServerVelocity(L.Callback):
+    """The servers' momentum buffer as the strategy would checkpoint it, at the end of training."""
+
+    def __init__(self) -> None:
+        self.velocity: list[float] | None = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        velocity = trainer.strategy.state_dict().get("scheme", {}).get("server_velocity")
+        self.velocity = None if velocity is None else velocity.tolist()
+
+
+def fit_one(name: str, model: str) -> dict:
     L.seed_everything(0, verbose=False)
-    module = IndexedModule(model)
+    server_momentum = name.endswith("+server_momentum")
+    strategy: str | L.pytorch.strategies.Strategy = name
+    if server_momentum:
+        strategy = lightning_oscars.SSPStrategy(server_momentum=0.9)
+    module = IndexedModule(model, momentum=0.0 if server_momentum else 0.9)
+    velocity = ServerVelocity()
     frozen_before = [p.detach().clone() for p in module.parameters() if not p.requires_grad]
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_epochs=1,
-        callbacks=[HeterogeneityEmulator({1: 3.0})],
+        callbacks=[HeterogeneityEmulator({1: 3.0}), velocity],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -101,6 +122,8 @@ def fit_one(strategy: str, model: str) -> dict:
         trained={str(epoch): indices for epoch, indices in module.trained.items()},
         frozen_kept=all(torch.equal(a, b) for a, b in zip(frozen_before, frozen_after)),
         global_step=trainer.global_step,
+        server_velocity=velocity.velocity,
+        trainable=sum(p.numel() for p in module.parameters() if p.requires_grad),
     )
     return result
 

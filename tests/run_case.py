@@ -155,18 +155,22 @@ class SettledProbe(Callback):
 
 
 class FaultyModule(ToyModule):
-    """Rank 1 misbehaves at its 5th step: raises, hangs (sleeps past the collective timeout) or is killed."""
+    """Rank 1 misbehaves at its 5th step: raises, hangs or is killed. A hang lasts until rank 0 has reported (its
+    ``rank0.json`` in ``out``; at most 25 s): past the collective timeout, however long rank 0 took to name it."""
 
-    def __init__(self, fault: str, **kwargs) -> None:
+    def __init__(self, fault: str, out: Path | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.fault = fault
+        self.out = out
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1 and self.steps_taken == 4:
             if self.fault == "raise":
                 raise ValueError("injected failure in training_step")
             if self.fault == "hang":
-                time.sleep(25)
+                until = time.monotonic() + 25
+                while time.monotonic() < until and not (self.out and (self.out / "rank0.json").exists()):
+                    time.sleep(0.1)
             if self.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
         return super().training_step(batch, batch_idx)
@@ -530,7 +534,7 @@ def build(case: str, out: Path):
         if case == "preempt_first":
             callbacks = [SendSignal(1, step=20), OnExceptionCheckpoint(dirpath=str(out / "preempt"))]
     elif case in ("raise_rank1", "hang_rank1", "kill_rank1"):
-        module = FaultyModule(case.split("_")[0], step_cost=0.004)
+        module = FaultyModule(case.split("_")[0], out=out, step_cost=0.004)
         strategy = OscarsStrategy(warmup_steps=2, timeout=timedelta(seconds=8))
         callbacks = []  # no emulator: it would stretch the injected hang by its slowdown factor
     elif case in ("ps_raise_rank1", "ripples_raise_rank1"):  # rank 1 raises at its 5th step; rank 0 waits for it

@@ -1,7 +1,8 @@
 """The package's import layers, enforced (drawn in docs/architecture.md).
 
 * core: the round logic, schedule, solver, policy, partition, deadline, warm-up, timing, control data, staleness
-  rules, groups, loader: no Lightning, no torch.distributed (unit-tested directly, driven by the simulator);
+  rules, groups, loader, the timeline picture: no Lightning, no torch.distributed (unit-tested directly, driven by
+  the simulator);
 * dist: what talks over torch.distributed (averaging, schemes, the server, ripples' exchange, failure notes);
   torch-private access only in ``_c10d``;
 * lightning: the strategy, its fit session, callbacks and options, the paradigms' strategies, the monitor;
@@ -41,6 +42,7 @@ CORE = {
     "slots",
     "solver",
     "staleness",
+    "timeline",
     "timing",
     "warmup",
 }

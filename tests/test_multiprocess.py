@@ -354,6 +354,15 @@ def test_loggers_lr_monitor_progress_bar(tmp_path, tmp_path_factory):
     logged = [row.split(",") for row in rows if row.split(",")[tau1]]
     assert len(logged) == len(fast["history"])
     assert [int(float(r[tau1])) for r in logged] == [h["local_steps"][1] for h in fast["history"]]
+    # At the end of fit the monitor drew the schedule: a PNG beside the CSV logger's files, a figure in TensorBoard.
+    (picture,) = (out / "csv").rglob("oscars_timeline.png")
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {p.parent for p in (out / "tb").rglob("events.out.tfevents.*")}
+    accumulator = EventAccumulator(str(events), size_guidance={"images": 0})
+    accumulator.Reload()
+    assert "oscars/timeline" in accumulator.Tags()["images"]
 
 
 def test_manual_optimization_one_optimizer(tmp_path, tmp_path_factory):
@@ -556,7 +565,8 @@ def test_a_rank_that_raises_is_named_by_a_worker_waiting_for_it_in_a_ripples_gro
 
 def test_a_hung_rank_is_named_after_the_collective_timeout(tmp_path):
     survivor, _ = run_case("hang_rank1", tmp_path)
-    # Rank 1 sleeps 25 s inside a step; rank 0 gives up after the 8 s collective timeout, not after the hang.
+    # Rank 1 hangs inside a step until rank 0 has reported (at most 25 s): rank 0 gives up after the 8 s collective
+    # timeout, not after the hang.
     assert "Rank(s) 1 did not reach this round" in survivor["error"], survivor["error"]
     assert survivor["error_after_s"] < 22
 

@@ -38,3 +38,18 @@ def test_every_strategy_trains_the_model_to_one_model_on_every_sample_once(
     assert fast["trained"].keys() == slow["trained"].keys() == {"0"}
     trained = sorted(fast["trained"]["0"] + slow["trained"]["0"])
     assert trained == list(range(SAMPLES)), "every sample once in the epoch, across the ranks"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model", MODELS)
+def test_server_momentum_is_one_buffer_over_the_trainable_parameters_on_every_rank(
+    results: list[dict[str, dict]], model: str
+) -> None:
+    fast, slow = (r[f"ssp+server_momentum/{model}"] for r in results)
+    assert fast["server_velocity"] is not None, "the buffer a checkpoint carries"
+    assert fast["server_velocity"] == slow["server_velocity"], "every rank checkpoints the same buffer"
+    assert len(fast["server_velocity"]) == fast["trainable"], "one value per trainable parameter"
+    assert any(v != 0.0 for v in fast["server_velocity"])
+    for name in STRATEGIES:
+        if name != "ssp+server_momentum":
+            assert results[0][f"{name}/{model}"]["server_velocity"] is None

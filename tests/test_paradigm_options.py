@@ -35,3 +35,25 @@ def test_options_the_paradigms_serve_are_still_taken() -> None:
     PARADIGMS["ripples"][0](local_steps=(4, 1))  # ripples does not wait on anybody: plain rounds serve it
     PARADIGMS["bsp"][0](average_optimizer_state=True, warmup_steps=2, max_local_steps=8)
     PARADIGMS["ssp"][0](staleness=2, solver="alg1", averaging="samples")
+
+
+@pytest.mark.parametrize("bad", [-0.5, 1.0, "0.9", True])
+@pytest.mark.parametrize("paradigm", SERVER)
+def test_a_bad_server_momentum_is_refused_naming_it(paradigm: str, bad: object) -> None:
+    with pytest.raises(ValueError, match=r"server_momentum must be a number in \[0, 1\)"):
+        PARADIGMS[paradigm][0](server_momentum=bad)
+    assert PARADIGMS[paradigm][0](server_momentum=0.9).server_momentum == 0.9
+
+
+def test_ripples_has_no_server_and_refuses_server_momentum() -> None:
+    with pytest.raises((ValueError, TypeError), match="server_momentum"):
+        PARADIGMS["ripples"][0](server_momentum=0.9)
+
+
+def test_an_unknown_option_is_an_error_naming_where_it_belongs() -> None:
+    from lightning_oscars import OscarsStrategy
+
+    with pytest.raises(TypeError, match="server_momentum=0.9: it is an option of the parameter-server strategies"):
+        OscarsStrategy(server_momentum=0.9)
+    with pytest.raises(TypeError, match="max_local_step=8: neither this strategy's nor DDP's"):
+        OscarsStrategy(max_local_step=8)

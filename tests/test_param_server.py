@@ -37,6 +37,37 @@ def test_a_shard_applies_the_mean_update_and_holds_replies_by_the_rule():
     assert shard.staleness == [0]
 
 
+def test_server_momentum_moves_the_shard_by_a_velocity_every_push_updates():
+    mu = 0.5
+    shard = Shard(torch.zeros(2), 2, ASP(), now=lambda: 0.0, momentum=mu)
+    pushes = [(0, torch.tensor([2.0, 0.0])), (1, torch.tensor([0.0, 4.0])), (0, torch.tensor([2.0, 2.0]))]
+    velocity, values = torch.zeros(2), torch.zeros(2)
+    for clock, (worker, delta) in enumerate(pushes, start=1):
+        shard.push(worker, delta, clock=clock, busy_s=0.1)
+        velocity = mu * velocity + delta / 2
+        values = values + velocity
+        assert torch.allclose(shard.values, values) and torch.allclose(shard.velocity_copy(), velocity)
+    # Heavy-ball momentum, not the plain mean: the last push moved the shard by more than its own delta / 2.
+    assert not torch.allclose(values, sum(d for _, d in pushes) / 2)
+    # A shard resumed with the buffer continues exactly as the original does.
+    resumed = Shard(shard.values.clone(), 2, ASP(), now=lambda: 0.0, momentum=mu)
+    resumed.load_velocity(shard.velocity_copy())
+    for s in (shard, resumed):
+        s.push(1, torch.tensor([1.0, 1.0]), clock=5, busy_s=0.1)
+    assert torch.equal(shard.values, resumed.values)
+
+
+def test_a_shard_without_server_momentum_keeps_no_buffer_and_refuses_a_bad_one():
+    plain = Shard(torch.zeros(1), 2, ASP(), now=lambda: 0.0)
+    assert plain.velocity_copy() is None
+    plain.load_velocity(torch.ones(1))  # a checkpoint's buffer is ignored without server momentum
+    plain.push(0, torch.tensor([2.0]), clock=1, busy_s=0.1)
+    assert plain.values.tolist() == [1.0]
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="momentum must be in"):
+            Shard(torch.zeros(1), 2, ASP(), momentum=bad)
+
+
 def test_a_stopped_worker_holds_nobody_back_and_a_wait_times_out_naming_the_laggard():
     shard = Shard(torch.zeros(1), 2, SSP(1), now=lambda: 0.0)
     for clock in (1, 2):
