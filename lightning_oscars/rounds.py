@@ -305,9 +305,9 @@ class RoundController:
         ledger = self.ledger
         now = ledger.enter(summed, allreduce_s, summed.ranks[self.rank].compute)
         in_force = self.local_steps
-        rebalanced = self.policy.observe(
-            [r.step_time for r in summed.ranks], ledger.round_cost, [r.error for r in summed.ranks]
-        )
+        # Until a round's fixed cost has been measured, the policy's prior (pinned with the step times) stands for it.
+        cost = ledger.round_cost if ledger.round_cost > 0.0 else self.policy.initial_allreduce_s
+        rebalanced = self.policy.observe([r.step_time for r in summed.ranks], cost, [r.error for r in summed.ranks])
         record = RoundRecord(
             round=ledger.num_averagings,
             time=ledger.training_time(now),

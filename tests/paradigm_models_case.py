@@ -90,6 +90,44 @@ class ServerVelocity(L.Callback):
         self.velocity = None if velocity is None else velocity.tolist()
 
 
+class VelocityAtResume(L.Callback):
+    """At the first batch of a resumed fit: whether this rank's server shard holds the checkpoint's momentum buffer."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        self.saved = torch.load(checkpoint, weights_only=False)["oscars"]["scheme"]["server_velocity"]
+        self.matches: bool | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if self.matches is None:
+            server = trainer.strategy.scheme.server
+            start, end = server.bounds[trainer.global_rank]
+            self.matches = bool(torch.equal(server.shard.velocity_copy(), self.saved[start:end]))
+
+
+def resume_server_momentum(out: Path) -> dict:
+    """ssp with server momentum: one epoch saving ``last.ckpt``, then a second fit resumed from it."""
+    checkpoints = out / "server_momentum_ckpt"
+    for epochs, resume in ((1, False), (2, True)):
+        L.seed_everything(0, verbose=False)
+        module = IndexedModule("mlp", momentum=0.0)
+        at_resume = VelocityAtResume(checkpoints / "last.ckpt") if resume else None
+        saving = L.pytorch.callbacks.ModelCheckpoint(checkpoints, save_last=True)
+        trainer = L.Trainer(
+            strategy=lightning_oscars.SSPStrategy(server_momentum=0.9),
+            accelerator="cpu",
+            devices=2,
+            max_epochs=epochs,
+            callbacks=[HeterogeneityEmulator({1: 3.0}), saving] + ([at_resume] if at_resume else []),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(module, ckpt_path=str(checkpoints / "last.ckpt") if resume else None)
+    assert at_resume is not None
+    return {"velocity_resumed": at_resume.matches, "saved_nonzero": bool(at_resume.saved.abs().sum() > 0)}
+
+
 def fit_one(name: str, model: str) -> dict:
     L.seed_everything(0, verbose=False)
     server_momentum = name.endswith("+server_momentum")
@@ -139,6 +177,7 @@ def main() -> None:
         for model in MODELS:
             result = results[f"{strategy}/{model}"] = fit_one(strategy, model)
             rank = result["rank"]
+    results["resume"] = resume_server_momentum(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 

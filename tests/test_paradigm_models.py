@@ -50,6 +50,12 @@ def test_server_momentum_is_one_buffer_over_the_trainable_parameters_on_every_ra
     assert fast["server_velocity"] == slow["server_velocity"], "every rank checkpoints the same buffer"
     assert len(fast["server_velocity"]) == fast["trainable"], "one value per trainable parameter"
     assert any(v != 0.0 for v in fast["server_velocity"])
-    for name in STRATEGIES:
+    for name in STRATEGIES:  # the others keep no server buffer
         if name != "ssp+server_momentum":
             assert results[0][f"{name}/{model}"]["server_velocity"] is None
+
+
+@pytest.mark.multiprocess
+def test_server_momentum_resumes_from_the_checkpoint_on_every_shard(results: list[dict[str, dict]]) -> None:
+    for rank in results:
+        assert rank["resume"] == {"velocity_resumed": True, "saved_nonzero": True}

@@ -27,22 +27,21 @@ Model and assumptions (what the numbers do and do not include):
   ``tau_i = 1`` whose all-reduce (of the gradients, same size) is hidden behind backward by ``overlap``.
 * All-reduce cost: ring, ``2 (N-1)/N * bytes / bandwidth + 2 (N-1) * latency`` (0 for one rank); no topology,
   no congestion, the same every round, no overlap of local SGD's averaging with compute.
-* Local SGD and oscars run on the strategy's own epoch plan (``lightning_oscars.partition.EpochPlan``): every
-  rank iterates the same slots, a round takes the next ``sum tau_i`` units of the epoch, the last rounds of an
-  epoch shrink to the data left. Validation every ``val_check_interval`` of the epoch's slots forces an extra
-  averaging when it falls inside a round (the strategy averages before validating).
-* Oscars is the strategy's own schedule policy (``lightning_oscars.policy.SchedulePolicy``, the object
-  ``OscarsStrategy`` drives; the simulator keeps no copy): a time-boxed warm-up round (every rank its
-  ``warmup_steps``, faster ranks every step they start before the slowest has taken its own, as the strategy's
-  ``timed_warmup``); per averaging the median of each rank's step times, smoothed by an EMA (``smoothing``);
-  step times within 5% of each other snapped to their group's slowest before the exact solver runs; re-balancing
-  (``lightning_oscars.solver.rebalance``): a re-solve happens when a rank's smoothed time, or the all-reduce
-  cost relative to the round (``|c_new - c_old| / (T + c_old)``), drifted by more than ``rebalance_threshold``,
-  or when the cost first becomes known (the first solve saw 0), and is adopted only if predicted ``min_gain``
-  faster. The engine models the wire format's lag: the all-reduce cost the policy sees is the previous
-  averaging's (0 at the first solve). A new schedule re-plans the epoch at the next round boundary. An epoch
-  that starts before the speeds are known is sized as the policy's upper bound (``epoch_slot_bound``, the
-  strategy's loader length) and cut to the slots it needs as soon as the first schedule is solved.
+* Local SGD and oscars run on the strategy's own round logic: rank 0's ``lightning_oscars.rounds.RoundController``
+  (every rank computes the same outcome from the same control data) plans and sizes every epoch, lays out the
+  warm-up round, takes every averaging's control data, keeps the ledger of round costs and the records, re-solves,
+  re-plans, re-sizes the epoch and settles the warm-up, as it does in ``OscarsStrategy``; the schedule policy is the
+  strategy's ``SchedulePolicy`` (solver, snapping, smoothing, re-balancing, the epoch-slot bound). The simulator
+  keeps no copy of any of it. It simulates what the ranks do and measure: which slots each rank trains in (the
+  plan's ``Round.real_offsets``; in the time-boxed warm-up the slots a rank starts before the slowest has taken its
+  ``warmup_steps``), every slot's seconds, the clock, and every rank's row of the control data as
+  ``RoundController.contribution`` writes it (``engine.rank_reports``; a test checks the two agree): the median of
+  its measured steps (a step's interval includes the no-op slots since the rank's previous step), their standard
+  error, its compute and, one averaging late as the wire carries them, its all-reduce and the part of its round
+  not spent in its own steps, from which the controller's ledger prices a round's fixed cost (the median of recent
+  rounds'; known from averaging 3 on). Rounds end where Lightning validates (the plan's boundaries); after a
+  mid-epoch re-size the validations owed are re-placed as the adapter does (``validations_after_resize``), and one
+  that falls inside a round forces an extra averaging there.
 * Validation (``--validate``, the ``{"meta", "profiles"}`` JSON of ``benchmarks.heterogeneous``): per profile
   the inputs come from the measured runs: per-rank step times and all-reduce cost from the strategy's round
   history (each local SGD / oscars configuration its own, ddp the profile's pooled ones), the no-op slot and
@@ -57,10 +56,10 @@ Model and assumptions (what the numbers do and do not include):
   Statistical efficiency (accuracy per step of local SGD vs BSP) is not modelled.
 
 Modules: ``cluster`` (ranks, noise, load, slowdowns, ring all-reduce), ``policies`` (the shared policy under the
-simulator's names), ``engine`` (rounds on the epoch plan, ``simulate*``, ``SimResult``), ``study`` (scaling
-study, speed mixes), ``measured`` (readers and fits of the measured runs), ``inputs`` (validation inputs: the
-machine's and per configuration), ``prediction`` (a configuration's simulated runs and prediction),
-``validation`` (validation, sensitivity), ``report`` (markdown, plot), ``cli``.
+simulator's names), ``engine`` (the round controller on a simulated clock, ``simulate*``, ``SimResult``),
+``study`` (scaling study, speed mixes), ``measured`` (readers and fits of the measured runs), ``inputs``
+(validation inputs: the machine's and per configuration), ``prediction`` (a configuration's simulated runs and
+prediction), ``validation`` (validation, sensitivity), ``report`` (markdown, plot), ``cli``.
 """
 
 from benchmarks.simulator.cli import main

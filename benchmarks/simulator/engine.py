@@ -1,17 +1,31 @@
-"""The discrete-event engine: rounds of local steps, barriers and all-reduces on the strategy's epoch plan."""
+"""The discrete-event engine: the package's own round logic on a simulated clock.
+
+Local SGD and oscars run on the strategy's :class:`~lightning_oscars.rounds.RoundController` (rank 0's; every rank
+computes the same outcome from the same control data): it sizes and plans every epoch, lays out the warm-up, takes
+each averaging's control data, keeps the ledger of round costs (the median of measured ones) and the records,
+re-solves, re-plans and re-sizes the epoch, settles the warm-up round. The engine only simulates what the ranks do
+and measure: every rank's step times (a draw per slot), which slots are real (:meth:`Round.real_offsets`; the warm-up
+gate's decisions), the clock, and each rank's report as ``RoundController.contribution`` writes it
+(:func:`rank_reports`: a test checks the two agree). ddp (BSP) is one step per rank and a barrier, no rounds.
+"""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from benchmarks.simulator.cluster import Cluster, Load, Timeline, fit_to_remaining, lognormal, row_medians
+from benchmarks.simulator.cluster import Cluster, Load, Timeline, fit_to_remaining, lognormal
 from benchmarks.simulator.policies import FixedPolicy, OscarsPolicy
-from lightning_oscars.partition import EpochPlan, validations_after_resize
+from lightning_oscars.control import ControlData, RankReport
+from lightning_oscars.ledger import MEDIAN_ERROR
+from lightning_oscars.partition import Round, validations_after_resize
 from lightning_oscars.policy import SchedulePolicy
+from lightning_oscars.rounds import RoundController
+from lightning_oscars.warmup import WarmupGate
 
 __all__ = ["SimResult", "simulate", "simulate_bsp", "simulate_local_sgd", "simulate_oscars"]
 
@@ -105,13 +119,58 @@ def _val_check_batch(total_slots: int, interval: float | None) -> int | None:
     return max(1, int(total_slots * interval)) if interval else None
 
 
-class _Engine:
-    """Clock and accumulators of one simulated run; :meth:`round` runs a round and its averaging(s).
+def measured_steps(draws: np.ndarray, real: np.ndarray, noop: np.ndarray) -> np.ndarray:
+    """The seconds a live rank measures for each of its real steps: the step itself, plus the no-op slots since its
+    previous real step in the round (a step's interval starts where the previous one ended; the round's first starts
+    at its own start). ``noop``: each rank's seconds per no-op slot. NaN where a slot is not real."""
+    noops_before = np.cumsum(~real, axis=1)  # no-op slots up to and including each slot
+    at_real = np.where(real, noops_before, -1)
+    previous = np.maximum.accumulate(np.where(real, noops_before, -1), axis=1)  # at the last real slot so far
+    previous = np.concatenate([np.full((real.shape[0], 1), -1), previous[:, :-1]], axis=1)
+    gaps = np.where(real & (previous >= 0), at_real - previous, 0)
+    return np.where(real, draws + noop[:, None] * gaps, np.nan)
 
-    The engine models the wire format's lag: the control data of averaging ``k`` carries the fixed cost of round
-    ``k-1`` (its all-reduce plus the per-round overhead), measured from averaging to averaging, so it is known
-    from round 2 on: the policy sees the policy's ``initial_allreduce_s`` (0 unless an oracle) at the first two
-    averagings and the previous round's cost after that.
+
+def rank_reports(
+    draws: np.ndarray,
+    real: np.ndarray,
+    samples: np.ndarray,
+    units: np.ndarray,
+    global_step: int,
+    allreduce: float,
+    overhead: np.ndarray,
+    noop: np.ndarray | None = None,
+) -> tuple[RankReport, ...]:
+    """Every rank's row of the control data, as ``RoundController.contribution`` writes it for a live rank.
+
+    ``draws``: ranks x slots seconds; ``real``: which of those slots were real steps; ``noop``: each rank's seconds
+    per no-op slot (:func:`measured_steps`). A rank's step time is the median of its measured steps, ``compute``
+    their sum, ``error`` the median's standard error as a fraction of it (the MAD-based log-spread over the square
+    root of the steps; 0 below two steps). ``allreduce`` and ``overhead``: what each rank measured of its previous
+    round (0 before one was measured). No jitter: the simulator's rounds are plain.
+    """
+    steps = measured_steps(draws, real, np.zeros(len(draws)) if noop is None else noop)
+    counts = real.sum(axis=1)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a rank without steps has an all-NaN row
+        medians = np.where(counts > 0, np.nanmedian(np.where(counts[:, None] > 0, steps, 0.0), axis=1), 0.0)
+        spread = np.nanmedian(np.abs(np.log(steps / np.where(medians > 0, medians, 1.0)[:, None])), axis=1)
+    jitter = np.where(counts >= 2, spread / 0.6745, 0.0)
+    errors = np.where(medians > 0, MEDIAN_ERROR * jitter / np.sqrt(np.maximum(counts, 1)), 0.0)
+    compute = np.where(real, steps, 0.0).sum(axis=1)
+    return tuple(
+        RankReport(float(m), int(n), float(c), allreduce, global_step, float(o), int(u), 0.0, float(e))
+        for m, n, c, o, u, e in zip(medians, samples, compute, overhead, units, errors)
+    )
+
+
+class _Engine:
+    """Clock and accumulators of one simulated run, and what every simulated rank measures of its rounds.
+
+    The measurements reach the round controller as a live rank's do, one averaging late for the costs: the control
+    data of averaging ``k`` carries each rank's all-reduce of averaging ``k-1`` and the part of round ``k-1`` not
+    spent in its own steps (measured from averaging ``k-2`` to ``k-1``), so the round's fixed cost is known from
+    averaging 3 on.
     """
 
     def __init__(
@@ -133,7 +192,6 @@ class _Engine:
         self.timeline = Timeline(n, cluster.slowdowns)
         self.load = Load(cluster.load_array(), cluster.load_time_s, self.rng)
         self.allreduce_s, self.round_overhead_s, self.first_step_s = allreduce_s, round_overhead_s, first_step_s
-        self.wire_cost = policy.initial_allreduce_s  # the cost the first two averagings report
         self.now = self.comm = self.other = self.util_sum = 0.0
         self.compute, self.idle = np.zeros(n), np.zeros(n)
         self.averagings = self.slots = self.epoch = 0
@@ -145,17 +203,21 @@ class _Engine:
         self.history: list[dict[str, Any]] = []
         self._started = False
         self._planned: np.ndarray | None = None
+        # What each rank measured at its last averaging, reported at the next one (see the class docstring).
+        self._last_allreduce = 0.0
+        self._last_overhead = np.zeros(n)
+        self._last_averaging: float | None = None
 
     def local_steps(self) -> np.ndarray:
         return np.asarray(self.policy.local_steps, dtype=np.int64)
 
-    def note_schedule(self) -> None:
-        planned = self.local_steps()
+    def note_schedule(self, steps: Sequence[int] | None = None) -> None:
+        planned = self.local_steps() if steps is None else np.asarray(steps, dtype=np.int64)
         if self._planned is None or not np.array_equal(planned, self._planned):
             self._planned = planned.copy()
             self.changes.append((self.averagings, tuple(int(x) for x in planned)))
 
-    def _draw(self, width: int) -> np.ndarray:
+    def draw(self, width: int) -> np.ndarray:
         """Every rank's step times of the next ``width`` slots (the start-up transient on the very first)."""
         factors = self.timeline.at(self.now) * self.load.factors(self.now)
         draws = self.means[:, None] * factors[:, None] * lognormal(self.rng, (self.n, width), self.noise)
@@ -164,68 +226,36 @@ class _Engine:
             self._started = True
         return draws
 
-    def round(
-        self,
-        quotas: np.ndarray,
-        width: int,
-        cuts: Sequence[int] = (),
-        validate_at_end: bool = False,
-        draws: np.ndarray | None = None,
-    ) -> bool:
-        """``width`` slots, rank ``i`` real in its first ``quotas[i]``; average at every cut and at the end.
+    def period(self, draws: np.ndarray, real: np.ndarray) -> tuple[np.ndarray, float]:
+        """Every rank's seconds of real steps over ``draws``' slots, and the slots' wall time: the last rank to
+        finish its steps and its no-op slots."""
+        busy = np.where(real, draws, 0.0).sum(axis=1)
+        return busy, float(np.max(busy + self.noop * (real.shape[1] - real.sum(axis=1))))
 
-        A cut is a validation inside the round (the strategy averages before validating); ``validate_at_end``
-        marks a validation right after the round. Returns whether the policy changed the schedule at any of
-        these averagings. Each averaging folds the medians of the steps since the previous one into the policy,
-        as the strategy does at every averaging.
-        """
-        draws = self._draw(width) if draws is None else draws
-        taken = np.arange(width)[None, :] < quotas[:, None]
-        changed = False
-        for a, b in zip((0, *cuts), (*cuts, width)):
-            real = np.clip(quotas - a, 0, b - a)
-            busy = np.where(taken[:, a:b], draws[:, a:b], 0.0).sum(axis=1)
-            self._account(busy, float(np.max(busy + self.noop * ((b - a) - real))))
-            if self.record_batch_size is not None:
-                self._record(real, busy, self.slots + b)
-            changed = self._average(draws[:, a:b], real) or changed
-            if b < width or validate_at_end:
-                self.validations.append(self.now)
-        self.slots += width
-        return changed
-
-    def _account(self, busy: np.ndarray, period: float) -> None:
-        """The clock and accumulators of one averaging period: compute, waits, all-reduce, bookkeeping."""
+    def account(self, busy: np.ndarray, period: float, averaged: bool = True) -> None:
+        """The clock and accumulators of ``period`` seconds of slots (and the averaging that ends them)."""
         self.compute += busy
         self.idle += period - busy
-        self.comm += self.allreduce_s
-        self.other += self.round_overhead_s
-        if period + self.allreduce_s > 0:
-            self.util_sum += busy.sum() / (self.n * (busy.max() + self.allreduce_s))
-        self.now += period + self.allreduce_s + self.round_overhead_s
-        self.averagings += 1
+        cost = self.allreduce_s + self.round_overhead_s if averaged else 0.0
+        if averaged:
+            self.comm += self.allreduce_s
+            self.other += self.round_overhead_s
+            if period + self.allreduce_s > 0:
+                self.util_sum += busy.sum() / (self.n * (busy.max() + self.allreduce_s))
+            self.averagings += 1
+        self.now += period + cost
 
-    def _average(self, draws: np.ndarray, real: np.ndarray) -> bool:
-        """Hand the policy this averaging's per-rank medians (NaN: no step) and the cost the wire carries."""
-        seen = self.wire_cost if self.averagings <= 2 else self.allreduce_s + self.round_overhead_s
-        if self.policy.solved and not self.policy.resolve:
-            return False  # a fixed schedule (BSP, local SGD, pinned): nothing this averaging could change
-        return self.policy.observe(row_medians(draws, real).tolist(), seen)
-
-    def _record(self, real: np.ndarray, busy: np.ndarray, global_step: int) -> None:
-        """A history record as ``OscarsStrategy`` writes it (the all-reduce time is the previous averaging's)."""
-        self.history.append(
-            {
-                "round": self.averagings,
-                "time": self.now,
-                "epoch": self.epoch,
-                "global_step": global_step,
-                "local_steps": [int(x) for x in self.policy.local_steps],
-                "samples": [int(x) * int(self.record_batch_size or 1) for x in real],
-                "compute_times": [float(x) for x in busy],
-                "allreduce_time": self.allreduce_s if self.averagings > 1 else 0.0,
-            }
-        )
+    def control_data(self, draws: np.ndarray, real: np.ndarray, units: np.ndarray, global_step: int) -> ControlData:
+        """The averaging that just ended (:meth:`account`): every rank's report, summed as the all-reduce sums it."""
+        busy = np.where(real, draws, 0.0).sum(axis=1)
+        samples = real.sum(axis=1) * int(self.record_batch_size or 1)
+        reports = rank_reports(draws, real, samples, units, global_step, self._last_allreduce, self._last_overhead)
+        # Measured now, reported at the next averaging.
+        self._last_allreduce = self.allreduce_s
+        if self._last_averaging is not None:
+            self._last_overhead = np.maximum(0.0, self.now - self._last_averaging - busy)
+        self._last_averaging = self.now
+        return ControlData(reports, float(self.n), False, False, False)
 
     def idle_slots(self, slots: int, validations: int = 0) -> None:
         """Slots without data on any rank (the tail of an epoch sized too long): no-ops everywhere, no averaging."""
@@ -241,9 +271,9 @@ class _Engine:
         self.epoch_ends.append(self.now)
         self.epoch += 1
 
-    def result(self, units: int) -> SimResult:
+    def result(self, units: int, paradigm: str) -> SimResult:
         return SimResult(
-            paradigm=getattr(self.policy, "name", "oscars"),
+            paradigm=paradigm,
             wall_s=self.now,
             units=units,
             rounds=self.averagings,
@@ -278,30 +308,40 @@ def simulate(
     """Run epochs until ``total_units`` optimizer steps (summed over ranks) are done.
 
     Each round draws every rank's step times at once (a ranks x slots matrix), so the cost is one NumPy pass
-    per round whatever the number of ranks. ``allreduce_s`` is the exposed communication per averaging,
-    ``round_overhead_s`` the bookkeeping around it, ``epoch_overhead_s`` the epoch turnover (validation itself
-    takes no simulated time: the benchmark excludes it; its times are in ``SimResult.validation_s``).
-    ``policy`` starts afresh (``begin``) for the ``cluster.n`` ranks.
+    per round whatever the number of ranks, plus the round controller's work per averaging. ``allreduce_s`` is the
+    exposed communication per averaging, ``round_overhead_s`` the bookkeeping around it, ``epoch_overhead_s`` the
+    epoch turnover (validation itself takes no simulated time: the benchmark excludes it; its times are in
+    ``SimResult.validation_s``).
 
-    ``planned`` (local SGD, oscars): rounds follow the strategy's ``EpochPlan``; an epoch that starts before the
-    policy has a schedule is sized as the policy's upper bound (``epoch_slot_bound``, as the strategy sizes its
-    loader) and cut (``replan(shrink=True)``) when the first schedule is adopted; later changes re-plan (and
-    re-size the epoch, within that bound) at the next round boundary; a validation (every ``val_check_interval`` of
-    the epoch's slots) inside a round forces an averaging. Otherwise (BSP) rounds of ``local_steps`` run until the
-    epoch's units are used, the last one cut in proportion (a ``DistributedSampler``'s even split).
-    ``record_batch_size``: keep a per-averaging history as the strategy writes it, with samples counted at this
-    batch size.
+    ``planned`` (local SGD, oscars): the strategy's round controller runs the fit (see the module docstring) for
+    ``cluster.n`` ranks under ``policy``; a validation (every ``val_check_interval`` of the epoch's slots) ends a
+    round there, or forces an extra averaging inside one after a re-size, where Lightning validates. Otherwise
+    (BSP) rounds of ``local_steps`` run until the epoch's units are used, the last one cut in proportion (a
+    ``DistributedSampler``'s even split). ``record_batch_size``: the samples the records count per step (and keep
+    the controller's records as ``SimResult.history``).
     """
-    policy.begin(cluster.n)
     engine = _Engine(cluster, policy, allreduce_s, round_overhead_s, first_step_s, seed, record_batch_size)
+    rounds = None
+    if planned:
+        timed = isinstance(policy, OscarsPolicy) and policy.timed_warmup
+        gate = WarmupGate(cluster.n, lambda delta: 0) if timed else None  # the simulator decides the gate's slots
+        rounds = RoundController(policy, cluster.n, 0, warmup_gate=gate, now=lambda: engine.now)
+        rounds.begin_fit()
+    else:
+        policy.begin(cluster.n)
     epoch_units = units_per_epoch or total_units
     done = 0
     while done < total_units:
         units = min(epoch_units, total_units - done)
-        (_planned_epoch if planned else _even_epoch)(engine, units, val_check_interval)
+        if rounds is not None:
+            _planned_epoch(engine, rounds, units, val_check_interval)
+        else:
+            _even_epoch(engine, units, val_check_interval)
         done += units
         engine.end_epoch(epoch_overhead_s)
-    return engine.result(done)
+    if rounds is not None and record_batch_size is not None:
+        engine.history = [dict(record.as_dict()) for record in rounds.history]
+    return engine.result(done, getattr(policy, "name", "oscars"))
 
 
 def _even_epoch(engine: _Engine, units: int, val_check_interval: float | None) -> None:
@@ -314,25 +354,53 @@ def _even_epoch(engine: _Engine, units: int, val_check_interval: float | None) -
         engine.note_schedule()
         steps = fit_to_remaining(engine.local_steps(), left)
         width = int(steps.max())
-        engine.round(steps, width, validate_at_end=bool(check) and (slot + width) // check > slot // check)
+        draws = engine.draw(width)
+        busy, period = engine.period(draws, np.arange(width)[None, :] < steps[:, None])
+        engine.account(busy, period)
+        engine.slots += width
+        if engine.record_batch_size is not None:  # ddp's rounds as a strategy's records would show them
+            engine.history.append(
+                {
+                    "round": engine.averagings,
+                    "time": engine.now,
+                    "epoch": engine.epoch,
+                    "global_step": engine.slots,
+                    "local_steps": [int(x) for x in engine.local_steps()],
+                    "samples": [int(x) * engine.record_batch_size for x in steps],
+                    "compute_times": [float(x) for x in busy],
+                    "allreduce_time": engine.allreduce_s,
+                }
+            )
+        if check and (slot + width) // check > slot // check:
+            engine.validations.append(engine.now)
         left -= int(steps.sum())
         slot += width
 
 
-def _planned_epoch(engine: _Engine, units: int, val_check_interval: float | None) -> None:
-    """One epoch on ``EpochPlan`` as ``OscarsStrategy`` drives it: sized by the policy, cut once first solved."""
-    n, policy = engine.n, engine.policy
-    bound = policy.epoch_slot_bound(units)
-    total_slots, upper_bound = policy.epoch_slots(units, bound)
-    engine.epoch_slots.append(total_slots)
-    warmup = None
-    if isinstance(policy, OscarsPolicy) and policy.timed_warmup and not policy.solved and engine.slots == 0:
-        warmup = (policy.warmup_reservation(),) * n
-    check = _val_check_batch(total_slots, val_check_interval)
+def _real_slots(rnd: Round, draws: np.ndarray, warmup_steps: int) -> np.ndarray:
+    """Which of the round's slots each rank trains in: its quota spread over the round (``Round.real_offsets``);
+    in a time-boxed warm-up round, the slots it starts before the slowest rank has taken its warm-up steps."""
+    n, width = draws.shape
+    if rnd.warmup:
+        trained = timed_warmup_steps(draws, warmup_steps, rnd.quotas)
+        return np.arange(width)[None, :] < np.asarray(trained)[:, None]
+    real = np.zeros((n, width), dtype=bool)
+    for rank in range(n):
+        if rnd.quotas[rank]:
+            real[rank, rnd.real_offsets(rank)] = True
+    return real
+
+
+def _planned_epoch(engine: _Engine, rounds: RoundController, units: int, val_check_interval: float | None) -> None:
+    """One epoch as ``OscarsStrategy`` drives it: the round controller plans it and takes every averaging."""
     points: frozenset[int] | None = None  # after a mid-epoch re-size: the slots that validate (as the adapter does)
+    check: int | None = None
 
     def validates(count: int) -> bool:
-        return count in points if points is not None else bool(check) and count % check == 0
+        if points is not None:
+            return count in points
+        every = check
+        return every is not None and count % every == 0
 
     def boundaries(slots: int) -> tuple[int, ...]:  # the adapter's validation_slots: rounds end there
         if points is not None:
@@ -340,36 +408,36 @@ def _planned_epoch(engine: _Engine, units: int, val_check_interval: float | None
         every = _val_check_batch(slots, val_check_interval)
         return tuple(range(every, slots, every)) if every else ()
 
-    plan = EpochPlan(n, units, total_slots, policy.local_steps, warmup_reserve=warmup, boundaries=boundaries)
-
-    slot, pending = 0, False
+    plan = rounds.plan_epoch(engine.epoch, units, rounds.epoch_slot_bound(units), boundaries)
+    engine.epoch_slots.append(plan.total_slots)
+    check = _val_check_batch(plan.total_slots, val_check_interval)
+    slot = 0
     while slot < plan.total_slots:
         rnd = plan.round_at(slot)
         if rnd.is_empty:
             engine.idle_slots(rnd.end_slot - slot, sum(validates(c) for c in range(slot + 1, rnd.end_slot + 1)))
             slot = rnd.end_slot
             continue
-        engine.note_schedule()
+        engine.note_schedule(rounds.local_steps)
+        draws = engine.draw(rnd.length)
+        real = _real_slots(rnd, draws, rounds.policy.warmup)
+        before = plan.total_slots
         cuts = [c - slot for c in range(slot + 1, rnd.end_slot) if validates(c)]
-        at_end = validates(rnd.end_slot)
-        draws = None
-        if rnd.warmup:  # the time-boxed warm-up: settled to the steps each rank started before the slowest was done
-            draws = engine._draw(rnd.length)
-            plan.settle(slot, timed_warmup_steps(draws, policy.local_steps[0], rnd.quotas))
-            rnd, pending = plan.round_at(slot), True
-        pending = engine.round(np.asarray(rnd.quotas, dtype=np.int64), rnd.length, cuts, at_end, draws) or pending
+        for a, b in zip((0, *cuts), (*cuts, rnd.length)):
+            busy, period = engine.period(draws[:, a:b], real[:, a:b])
+            engine.account(busy, period)
+            units_so_far = real[:, :b].sum(axis=1)
+            summed = engine.control_data(draws[:, a:b], real[:, a:b], units_so_far, engine.slots + b)
+            next_slot = rnd.end_slot if b == rnd.length else None
+            rounds.absorb(summed, allreduce_s=engine.allreduce_s, epoch=engine.epoch, global_step=engine.slots + b,
+                          next_slot=next_slot)  # fmt: skip
+            if b < rnd.length or validates(rnd.end_slot):
+                engine.validations.append(engine.now)
+        engine.slots += rnd.length
         slot = rnd.end_slot
-        if pending and slot < plan.total_slots:
-            before = plan.total_slots
-            plan.replan(slot, policy.local_steps, shrink=upper_bound, max_slots=bound)
-            pending = False
-            if plan.total_slots != before and check:  # re-sized as the strategy re-sizes Lightning's epoch
-                if upper_bound:
-                    check, points = _val_check_batch(plan.total_slots, val_check_interval), None
-                else:
-                    due = sum(validates(c) for c in range(slot + 1, before + 1))
-                    points = frozenset(validations_after_resize(slot, plan.total_slots, due))
-            upper_bound = False
+        if plan.total_slots != before and check:  # re-sized as the adapter re-sizes Lightning's epoch
+            due = sum(validates(c) for c in range(slot + 1, before + 1))
+            points = frozenset(validations_after_resize(slot, plan.total_slots, due))
 
 
 def timed_warmup_steps(draws: np.ndarray, warmup_steps: int, reserve: Sequence[int]) -> tuple[int, ...]:
