@@ -100,28 +100,29 @@ def test_simulator_and_strategy_policies_reach_the_same_schedules(solver):
 
 
 def test_the_simulated_run_feeds_the_strategy_policy_the_same_schedules():
-    """Replay what the simulator's engine handed its policy (a rank turning 3x slower, validations cutting rounds
-    so that a rank measures nothing) into the strategy's policy: the same schedule after every averaging."""
+    """Replay what the simulator's round controller handed its policy (a rank turning 3x slower, validations cutting
+    rounds so that a rank measures nothing) into a fresh strategy policy: the same schedule after every averaging."""
 
     class Recording(OscarsPolicy):
         def __init__(self):
             super().__init__()
             self.calls = []
 
-        def observe(self, medians, allreduce_s):
-            changed = super().observe(medians, allreduce_s)
-            self.calls.append((np.array(medians, dtype=float), allreduce_s, changed, self.schedule))
+        def observe(self, medians, allreduce_s, errors=None):
+            changed = super().observe(medians, allreduce_s, errors)
+            self.calls.append((list(medians), allreduce_s, errors, changed, self.schedule))
             return changed
 
     cluster = Cluster((0.01, 0.01, 0.02, 0.04), noise=0.05, slowdowns=(Slowdown(1, 2.0, 3.0),), noop_s=0.001)
     policy = Recording()
     simulate_oscars(cluster, 4 * 400, allreduce_s=0.005, policy=policy, units_per_epoch=400, val_check_interval=0.1)
-    assert any(np.isnan(medians).any() for medians, *_ in policy.calls)  # a round where a rank measured nothing
+    assert any(0.0 in medians for medians, *_ in policy.calls)  # a round where a rank measured nothing
     assert len({schedule for *_, schedule in policy.calls}) >= 3
+    assert any(cost > 0 for _, cost, *_ in policy.calls), "the measured round cost reached the policy"
     strategy = strategy_policy()
     strategy.begin(4)
-    for medians, cost, changed, schedule in policy.calls:
-        assert strategy.observe([0.0 if math.isnan(m) else float(m) for m in medians], cost) == changed
+    for medians, cost, errors, changed, schedule in policy.calls:
+        assert strategy.observe(medians, cost, errors) == changed
         assert strategy.schedule == schedule
 
 
