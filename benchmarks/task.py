@@ -25,7 +25,7 @@ import time
 
 import torch
 from lightning.pytorch import LightningModule
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oscars import SlowdownProfile
@@ -39,6 +39,41 @@ def make_dataset(n: int, seed: int, dim: int = 32, classes: int = 10, noise: flo
     mode = torch.randint(0, 4, (n,), generator=s)
     x = centers[y, mode] + torch.randn(n, dim, generator=s) * noise
     return TensorDataset(x, y)
+
+
+def load_digits_split(test_size: int = 360) -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's handwritten digits (1,797 real 8x8 images, shipped with the package: no download), scaled to
+    [0, 1], as (train, test): a fixed, class-stratified split of ``test_size`` test images (seed 0)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    g = torch.Generator().manual_seed(0)
+    test = []
+    for label in range(10):  # the same share of every class in the test set
+        members = torch.nonzero(y == label).flatten()
+        members = members[torch.randperm(len(members), generator=g)]
+        test.append(members[: round(test_size * len(members) / len(y))])
+    held = torch.cat(test)
+    train = torch.ones(len(y), dtype=torch.bool)
+    train[held] = False
+    return TensorDataset(x[train], y[train]), TensorDataset(x[held], y[held])
+
+
+def digits_cnn() -> nn.Module:
+    """A small CNN for 8x8 digits: two 3x3 convolutions, a max-pool, two linear layers (no buffers)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
 
 def parse_profile(text: str) -> dict[int, list[tuple[float, float]]]:
@@ -73,10 +108,13 @@ class EmulatedDevice:
         self.busy_s = 0.0  # emulated device time: sum over steps of factor * solo_step_s
         self._rng = random.Random(1000 + rank)
 
-    def calibrate(self, net: nn.Module, batch_size: int, steps: int = 12) -> None:
+    def calibrate(
+        self, net: nn.Module, batch_size: int, steps: int = 12, sample: tuple[Tensor, Tensor] | None = None
+    ) -> None:
+        """``sample``: a batch of the task's inputs and labels (by default the Gaussian task's)."""
         net = copy.deepcopy(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.0)
-        x, y = make_dataset(batch_size, seed=99).tensors
+        x, y = sample if sample is not None else make_dataset(batch_size, seed=99).tensors
         timings = []
         for _ in range(steps):
             start = time.perf_counter()
@@ -116,20 +154,28 @@ class BenchModule(LightningModule):
         step_ms: float = 0.0,
         jitter: float = 0.0,
         ballast_mb: float = 0.0,
+        task: str = "gaussian",
     ) -> None:
         super().__init__()
+        if task not in ("gaussian", "digits"):
+            raise ValueError(f"task must be 'gaussian' or 'digits', got {task!r}")
         self.save_hyperparameters()
+        self.digits = load_digits_split() if task == "digits" else None
         # A large model's communication without its compute (which the GPU-like regime's sleep stands for): this
         # many MB of float32 parameters that every all-reduce carries (ddp's gradients, every averaging) and that
         # take a zero gradient per step.
         self.ballast = nn.Parameter(torch.zeros(round(ballast_mb * 2**20 / 4))) if ballast_mb > 0 else None
-        self.net = nn.Sequential(
-            nn.Linear(32, hidden),
-            nn.BatchNorm1d(hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, 10),
+        self.net = (
+            digits_cnn()
+            if task == "digits"
+            else nn.Sequential(
+                nn.Linear(32, hidden),
+                nn.BatchNorm1d(hidden),
+                nn.ReLU(),
+                nn.Linear(hidden, hidden),
+                nn.ReLU(),
+                nn.Linear(hidden, 10),
+            )
         )
         # (training seconds since the start, validation excluded; val loss; val acc)
         self.val_curve: list[tuple[float, float, float]] = []
@@ -149,7 +195,10 @@ class BenchModule(LightningModule):
     def on_train_start(self) -> None:
         h = self.hparams
         self.device_emulation = EmulatedDevice(self.global_rank, h.slowdown, h.step_ms, h.jitter)
-        self.device_emulation.calibrate(self.net, h.batch_size)
+        sample = None if self.digits is None else self.digits[0].tensors
+        if sample is not None:
+            sample = (sample[0][: h.batch_size], sample[1][: h.batch_size])
+        self.device_emulation.calibrate(self.net, h.batch_size, sample=sample)
         self._t0 = time.perf_counter()
 
     def training_step(self, batch, batch_idx):
@@ -189,8 +238,12 @@ class BenchModule(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
 
     def train_dataloader(self):
+        if self.digits is not None:
+            return DataLoader(self.digits[0], batch_size=self.hparams.batch_size, shuffle=True)
         data = make_dataset(self.hparams.n_train, seed=0, noise=self.hparams.noise)
         return DataLoader(data, batch_size=self.hparams.batch_size, shuffle=True)
 
     def val_dataloader(self):
+        if self.digits is not None:  # the held-out test images
+            return DataLoader(self.digits[1], batch_size=512)
         return DataLoader(make_dataset(4096, seed=1, noise=self.hparams.noise), batch_size=512)

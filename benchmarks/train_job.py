@@ -83,10 +83,14 @@ def main() -> None:
     p.add_argument("--ballast-mb", type=float, default=0.0, help="MB of extra parameters every all-reduce carries")
     p.add_argument("--option", action="append", default=[], help="OscarsStrategy option as key=JSON value")
     p.add_argument("--momentum", type=float, default=0.9, help="the workers' SGD momentum")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--task", default="gaussian", choices=("gaussian", "digits"))
+    p.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     p.add_argument("--progress", action="store_true", help="show Lightning's progress bar")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    L.seed_everything(0, verbose=False)
+    L.seed_everything(a.seed, verbose=False)
     model = BenchModule(
         slowdown=a.slowdown,
         step_ms=a.step_ms,
@@ -95,6 +99,9 @@ def main() -> None:
         jitter=a.jitter,
         ballast_mb=a.ballast_mb,
         momentum=a.momentum,
+        lr=a.lr,
+        batch_size=a.batch_size,
+        task=a.task,
     )
     options = {"solver": a.solver, "averaging": a.averaging, **strategy_options(a.option)}
     strategy: object = a.strategy

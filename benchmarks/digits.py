@@ -1,0 +1,135 @@
+"""Convergence on real data: scikit-learn's handwritten digits (1,797 real 8x8 images, shipped with the package).
+
+    python -m benchmarks.digits                       # about 50 minutes on 2 CPU cores
+    python -m benchmarks.digits --seeds 2 --profiles 1x/3x --configs ddp,oscars-exact-uniform   # a quick look
+
+A small CNN (``benchmarks.task.digits_cnn``) on a fixed, class-stratified split (1,438 training, 359 test images),
+SGD (lr 0.05, momentum 0.9, batch 32), in the GPU-like regime (every step sleeps 30 ms at 1x, as a host waits for its
+GPU; a ``k``x rank ``k`` times as long), validated on the test images twice per epoch. Every configuration runs
+once per seed (the seed draws the initial weights and the data order), configurations interleaved. Reported per
+profile: final test accuracy and the time to a target accuracy (ddp's mean final accuracy minus one point) as mean
+and standard deviation over the seeds, throughput as a median, and the test loss against training time (first
+seed). Results: ``benchmarks/results/digits.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from benchmarks.heterogeneous import CONFIGS, PROFILES, plot, run, time_to
+
+DIGITS_ARGS = ["--task", "digits", "--step-ms", "30", "--batch-size", "32", "--lr", "0.05"]
+DIGITS_ARGS += ["--val-check-interval", "0.5"]
+DEFAULT_CONFIGS = "ddp,oscars-exact-uniform,local_sgd,ssp-3,asp,ripples-smart-overlap-timed-warmup"
+DEFAULT_PROFILES = "homogeneous,1x/3x,1x/1x/2x/4x"
+
+
+def _mean_sd(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Per configuration: accuracy and time to target over the seeds (mean, sd), throughput (median)."""
+    ddp = runs.get("ddp") or next(iter(runs.values()))
+    target = statistics.mean(r["val_acc"] for r in ddp) - 0.01
+    configs = {}
+    for name, rs in runs.items():
+        reached = [t for t in (time_to(r["curve"], target) for r in rs) if t is not None]
+        acc_mean, acc_sd = _mean_sd([r["val_acc"] for r in rs])
+        tt_mean, tt_sd = _mean_sd(reached)
+        configs[name] = {
+            "final_acc_mean": acc_mean,
+            "final_acc_sd": acc_sd,
+            "time_to_target_mean_s": tt_mean,
+            "time_to_target_sd_s": tt_sd,
+            "reached_target": len(reached),
+            "seeds": len(rs),
+            "median_train_wall_s": statistics.median(r["train_wall_s"] for r in rs),
+            "median_samples_per_s": statistics.median(r["samples_per_s"] for r in rs),
+            "runs": rs,
+        }
+    base = configs.get("ddp")
+    for s in configs.values():
+        if base and base["median_train_wall_s"]:
+            s["throughput_vs_ddp"] = base["median_train_wall_s"] / s["median_train_wall_s"]
+        if base and base["time_to_target_mean_s"] and s["time_to_target_mean_s"]:
+            s["time_to_target_vs_ddp"] = base["time_to_target_mean_s"] / s["time_to_target_mean_s"]
+    return {"target_acc": target, "configs": configs}
+
+
+def _cell(mean: float | None, sd: float | None, fmt: str) -> str:
+    return "-" if mean is None else f"{mean:{fmt}} ± {sd:{fmt}}"
+
+
+def table(profile: str, summary: dict) -> list[str]:
+    lines = [
+        f"### {profile}: target test accuracy {summary['target_acc']:.4f} (ddp's mean final minus one point)",
+        "",
+        "| strategy | final test accuracy | time to target s | reached | train wall s | throughput vs ddp |"
+        " time to target vs ddp |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in summary["configs"].items():
+        vs = s.get("throughput_vs_ddp")
+        tt = s.get("time_to_target_vs_ddp")
+        lines.append(
+            f"| {name} | {_cell(s['final_acc_mean'], s['final_acc_sd'], '.4f')} |"
+            f" {_cell(s['time_to_target_mean_s'], s['time_to_target_sd_s'], '.1f')} |"
+            f" {s['reached_target']}/{s['seeds']} | {s['median_train_wall_s']:.1f} |"
+            f" {'-' if vs is None else f'{vs:.2f}x'} | {'-' if tt is None else f'{tt:.2f}x'} |"
+        )
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--profiles", default=DEFAULT_PROFILES)
+    p.add_argument("--configs", default=DEFAULT_CONFIGS)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--name", default="digits")
+    a = p.parse_args()
+    names = a.configs.split(",")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    for profile in a.profiles.split(","):
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for seed in range(a.seeds):
+            for name in names:  # interleaved, so drifts of the machine hit every configuration alike
+                r = run(CONFIGS[name] + DIGITS_ARGS + ["--seed", str(seed)], a.epochs, PROFILES[profile])
+                runs[name].append(r)
+                print(
+                    f"{profile:12s} seed {seed} {name:36s} train {r['train_wall_s']:5.1f}s"
+                    f"  test acc {r['val_acc']:.4f}",
+                    flush=True,
+                )
+        results[profile] = summarize(runs)
+        meta = {
+            "epochs": a.epochs,
+            "seeds": a.seeds,
+            "args": DIGITS_ARGS,
+            "profiles": {k: PROFILES[k] for k in results},
+        }
+        (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "profiles": results}, indent=1))
+    lines = [
+        f"scikit-learn digits, small CNN, GPU-like regime (30 ms per 1x step), {a.epochs} epochs, {a.seeds} seeds"
+        " (mean ± sd), configurations interleaved.",
+        "",
+    ]
+    for profile, summary in results.items():
+        lines += table(profile, summary) + [""]
+    (out / f"{a.name}.md").write_text("\n".join(lines))
+    plot(results, out / f"{a.name}.png")  # test loss against training time
+    plot(results, out / f"{a.name}_accuracy.png", accuracy=True)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The real-data benchmark's pieces: scikit-learn's digits split, the CNN, and the per-seed summary."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.digits import summarize, table  # noqa: E402
+from benchmarks.task import digits_cnn, load_digits_split  # noqa: E402
+
+
+def test_the_split_is_fixed_disjoint_stratified_and_scaled():
+    train, test = load_digits_split()
+    assert len(train) + len(test) == 1797 and 355 <= len(test) <= 365
+    again_train, again_test = load_digits_split()
+    assert torch.equal(test.tensors[0], again_test.tensors[0]), "the same split every time"
+    counts = torch.bincount(test.tensors[1], minlength=10)
+    assert counts.min() >= 34 and counts.max() <= 38, counts  # every class about a fifth of its images
+    train_rows = {tuple(x.flatten().tolist()) for x in train.tensors[0]}
+    overlap = sum(tuple(x.flatten().tolist()) in train_rows for x in test.tensors[0])
+    assert overlap <= 3, "test images are held out (a handful of digits are pixel-identical duplicates)"
+    for x, _ in (train.tensors, test.tensors):
+        assert x.shape[1:] == (1, 8, 8) and x.min() >= 0.0 and x.max() <= 1.0
+
+
+def test_the_cnn_maps_a_batch_of_digits_to_ten_logits_and_has_no_buffers():
+    net = digits_cnn()
+    x = load_digits_split()[1].tensors[0][:5]
+    assert net(x).shape == (5, 10)
+    assert not list(net.buffers())
+
+
+def _run(acc: float, curve: list[tuple[float, float, float]], wall: float) -> dict:
+    return {"val_acc": acc, "curve": curve, "train_wall_s": wall, "samples_per_s": 1000.0 / wall}
+
+
+def test_the_summary_gives_mean_and_spread_over_seeds_and_who_reached_the_target():
+    runs = {
+        "ddp": [_run(0.97, [(5.0, 0.2, 0.95), (10.0, 0.1, 0.97)], 10.0), _run(0.95, [(10.0, 0.1, 0.95)], 10.0)],
+        "oscars": [_run(0.96, [(2.0, 0.2, 0.96)], 4.0), _run(0.90, [(4.0, 0.3, 0.90)], 4.0)],
+    }
+    summary = summarize(runs)
+    assert summary["target_acc"] == pytest.approx(0.95)
+    ddp, oscars = summary["configs"]["ddp"], summary["configs"]["oscars"]
+    assert ddp["final_acc_mean"] == pytest.approx(0.96) and ddp["final_acc_sd"] == pytest.approx(0.0141421, rel=1e-4)
+    assert ddp["time_to_target_mean_s"] == pytest.approx(7.5) and ddp["reached_target"] == 2
+    assert oscars["reached_target"] == 1 and oscars["time_to_target_mean_s"] == pytest.approx(2.0)
+    assert oscars["throughput_vs_ddp"] == pytest.approx(2.5) and oscars["time_to_target_vs_ddp"] == pytest.approx(3.75)
+    rows = table("1x/3x", summary)
+    assert any(row.startswith("| oscars | 0.9300 ± 0.0424 | 2.0 ± 0.0 | 1/2 |") for row in rows), rows
