@@ -157,7 +157,8 @@ class ParameterServerScheme(ModelAveraging):
         held = {id(p) for p in self._params}
         self.average([t for t in tensors if id(t) not in held], meeting)
         # Nobody pushes again before every rank has joined this all-reduce, so every shard's buffer is the round's.
-        self._velocity = server.gather_velocity(self.device or meeting.device)
+        if self.server_momentum:  # the same on every rank: all gather, or none
+            self._velocity = server.gather_velocity(self.device or meeting.device)
         # Everybody is past the all-reduce, so every push of the round has been applied; the pull returns that
         # state even to a rank that pulls after a faster one pushed again: every rank starts the round from it.
         self._load(server.pull())

@@ -22,16 +22,14 @@ HERE = Path(__file__).parent
 TIMEOUT = 150
 
 
-def run_case(
-    case: str, out: Path, timeout: int = TIMEOUT, extra_env: dict | None = None, ranks: tuple[int, ...] = (0, 1)
-) -> list[dict]:
+def _start_case(case: str, out: Path, timeout: int, extra_env: dict | None) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     # An in-process Trainer earlier in the session leaves rendezvous variables behind; start each run clean.
     leaked = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in leaked and not k.startswith("PL_")}
     env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", OSCARS_TEST_DUMP_AFTER=str(timeout - 20))
     env.update(extra_env or {})
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, str(HERE / "run_case.py"), case, str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -39,12 +37,15 @@ def run_case(
         start_new_session=True,
         text=True,
     )
+
+
+def _finish_case(proc: subprocess.Popen, case: str, out: Path, timeout: float, ranks: tuple[int, ...]) -> list[dict]:
     try:
-        log, _ = proc.communicate(timeout=timeout)
+        log, _ = proc.communicate(timeout=max(1.0, timeout))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
-        pytest.fail(f"case {case!r} did not finish within {timeout}s (deadlock?)\n{log[-4000:]}")
+        pytest.fail(f"case {case!r} did not finish within its timeout (deadlock?)\n{log[-4000:]}")
     (out / "launcher.log").write_text(log)
     results = []
     for rank in ranks:
@@ -52,6 +53,37 @@ def run_case(
         assert path.exists(), f"rank {rank} wrote no result (exit code {proc.returncode})\n{log[-4000:]}"
         results.append(json.loads(path.read_text()))
     _assert_group_gone(proc.pid, case)
+    return results
+
+
+def run_case(
+    case: str, out: Path, timeout: int = TIMEOUT, extra_env: dict | None = None, ranks: tuple[int, ...] = (0, 1)
+) -> list[dict]:
+    return _finish_case(_start_case(case, out, timeout, extra_env), case, out, timeout, ranks)
+
+
+def run_cases_in_pairs(cases: list[tuple[str, Path]], timeout: int = TIMEOUT) -> None:
+    """Launch independent cases two at a time (four processes on two cores: their ranks mostly sleep or wait),
+    each with its own timeout; results stay in each case's directory (read them with :func:`case_results`)."""
+    pending = list(cases)
+    running: list[tuple[subprocess.Popen, str, Path, float]] = []
+    while pending or running:
+        while pending and len(running) < 2:
+            case, out = pending.pop(0)
+            running.append((_start_case(case, out, timeout, None), case, out, time.monotonic() + timeout))
+        proc, case, out, deadline = running.pop(0)
+        _finish_case(proc, case, out, deadline - time.monotonic(), ())
+
+
+def case_results(case: str, out: Path, ranks: tuple[int, ...] = (0, 1)) -> list[dict]:
+    """The results a case launched by :func:`run_cases_in_pairs` wrote (a rank that wrote none fails the test)."""
+    results = []
+    for rank in ranks:
+        path = out / f"rank{rank}.json"
+        if not path.exists():
+            log = (out / "launcher.log").read_text() if (out / "launcher.log").exists() else ""
+            pytest.fail(f"rank {rank} wrote no result for {case}; its log ends:\n{log[-6000:]}")
+        results.append(json.loads(path.read_text()))
     return results
 
 
@@ -175,11 +207,7 @@ def finished(case: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
         results = _batched(case, tmp_path_factory)
     else:
         results = run_case(case, tmp_path)
-    for r in results:
-        assert "error" not in r, r["error"]
-    assert results[0]["weights"] == results[1]["weights"], "ranks ended with different weights"
-    assert results[0]["global_step"] == results[1]["global_step"]
-    return results
+    return _checked(results)
 
 
 def test_basic_balance_coverage_and_one_collective_per_round(tmp_path, tmp_path_factory):
@@ -402,14 +430,95 @@ def resumed_from(resumable: tuple[Path, list[dict]], tmp_path: Path) -> list[dic
 
 
 @pytest.fixture(scope="module")
-def exact_a(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def resumes(resumable: tuple[Path, list[dict]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``resume_second`` and ``resume_swapped``, each in its own copy of the first run, two at a time."""
+    dirs = {case: tmp_path_factory.mktemp(case) for case in ("resume_second", "resume_swapped")}
+    for out in dirs.values():
+        resumed_from(resumable, out)
+    run_cases_in_pairs(list(dirs.items()))
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def exact_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict]]]:
+    """The pinned-speed runs: the reference ``exact_a``, its repeat ``exact_b`` and a run preempted by SIGTERM
+    (``preempt_first``), two at a time; then ``preempt_resume`` in the preempted run's directory."""
+    dirs = {case: tmp_path_factory.mktemp(case) for case in ("exact_a", "exact_b", "preempt_first")}
+    run_cases_in_pairs(list(dirs.items()))
+    runs = {case: (out, case_results(case, out)) for case, out in dirs.items()}
+    out = dirs["preempt_first"]
+    for rank in (0, 1):
+        (out / f"rank{rank}.json").rename(out / f"first_rank{rank}.json")
+    runs["preempt_resume"] = (out, run_case("preempt_resume", out))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def exact_a(exact_runs: dict[str, tuple[Path, list[dict]]]) -> list[dict]:
     """The pinned-speed reference run, shared by the reproducibility and the preemption tests."""
-    return finished("exact_a", tmp_path_factory.mktemp("exact_a"))
+    return _checked(exact_runs["exact_a"][1])
 
 
-def test_checkpoint_resume(tmp_path, resumable):
-    first = resumed_from(resumable, tmp_path)
-    second = finished("resume_second", tmp_path)
+def _checked(results: list[dict]) -> list[dict]:
+    """As :func:`finished` checks a run: no error, equal weights and steps on both ranks."""
+    for r in results:
+        assert "error" not in r, r["error"]
+    assert results[0]["weights"] == results[1]["weights"], "ranks ended with different weights"
+    assert results[0]["global_step"] == results[1]["global_step"]
+    return results
+
+
+# Mid-epoch resumes: every first run (which writes a checkpoint mid-epoch), two at a time, then every second run
+# (which resumes from it in the same directory), two at a time.
+MIDEPOCH = ("midepoch", "deadline_midepoch", "ripples_midepoch", "ssp_midepoch", "overlap_midepoch")
+
+
+@pytest.fixture(scope="module")
+def midepoch_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict], list[dict]]]:
+    """Per name of ``MIDEPOCH``: its directory, the first run's results and the resumed run's."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in MIDEPOCH}
+    run_cases_in_pairs([(f"{name}_first", out) for name, out in dirs.items()])
+    firsts = {name: case_results(f"{name}_first", out) for name, out in dirs.items()}
+    for out in dirs.values():
+        for rank in (0, 1):
+            (out / f"rank{rank}.json").rename(out / f"first_rank{rank}.json")
+    run_cases_in_pairs([(f"{name}_second", out) for name, out in dirs.items()])
+    return {name: (out, firsts[name], case_results(f"{name}_second", out)) for name, out in dirs.items()}
+
+
+# Injected failures: the survivors mostly wait for a timeout or a peer's report, so they run two at a time.
+FAILURES = ("raise_rank1", "hang_rank1", "kill_rank1", "ps_raise_rank1", "ripples_raise_rank1")
+
+
+@pytest.fixture(scope="module")
+def failure_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    dirs = {case: tmp_path_factory.mktemp(case) for case in FAILURES}
+    run_cases_in_pairs(list(dirs.items()))
+    return dirs
+
+
+# Signals and a refused checkpoint setting: short runs of their own, two at a time.
+SIGNALS = (
+    "sigterm_rank0",
+    "sigterm_rank1",
+    "requeue",
+    "ripples_sigterm",
+    "ssp_sigterm",
+    "overlap_sigterm",
+    "ripples_time_checkpoint",
+)
+
+
+@pytest.fixture(scope="module")
+def signal_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    dirs = {case: tmp_path_factory.mktemp(case) for case in SIGNALS}
+    run_cases_in_pairs(list(dirs.items()))
+    return dirs
+
+
+def test_checkpoint_resume(resumable, resumes):
+    first = resumable[1]
+    second = _checked(case_results("resume_second", resumes["resume_second"]))
     assert second[0]["epoch"] == 2
     assert second[0]["global_step"] > first[0]["global_step"]
     # The schedule was restored, not re-profiled: no warm-up round after resuming.
@@ -425,8 +534,9 @@ def test_iterable_dataset_fails_clearly(tmp_path_factory):
 
 
 @pytest.mark.parametrize("receiver", [0, 1])
-def test_sigterm_stops_all_ranks_at_a_round_boundary(receiver, tmp_path):
-    results = run_case(f"sigterm_rank{receiver}", tmp_path)
+def test_sigterm_stops_all_ranks_at_a_round_boundary(receiver, signal_runs):
+    tmp_path = signal_runs[f"sigterm_rank{receiver}"]
+    results = case_results(f"sigterm_rank{receiver}", tmp_path)
     for r in results:
         assert "SIGTERMException" in r.get("error", ""), r.get("error")
     fast, slow = results
@@ -444,18 +554,19 @@ def test_sigterm_stops_all_ranks_at_a_round_boundary(receiver, tmp_path):
     assert checkpoint["oscars"]["local_steps"] == fast["schedule"]
 
 
-def test_requeue_signal_handler_runs_on_every_rank_at_one_round_boundary(tmp_path):
-    fast, slow = finished("requeue", tmp_path)  # rank 1 alone got SIGUSR1; a checkpoint in the handler
+def test_requeue_signal_handler_runs_on_every_rank_at_one_round_boundary(signal_runs):
+    tmp_path = signal_runs["requeue"]
+    fast, slow = _checked(case_results("requeue", tmp_path))  # rank 1 alone got SIGUSR1; a checkpoint in the handler
     assert fast["handled_at"] == slow["handled_at"] and len(fast["handled_at"]) == 1
     step = fast["handled_at"][0]
     assert step == _first_averaging_from(fast["history"], 7)
     assert (tmp_path / f"requeue-{step}.ckpt").exists()
 
 
-def test_resume_mid_epoch_uses_every_sample_once(tmp_path):
-    first = finished("midepoch_first", tmp_path)
-    assert (tmp_path / "steps" / "epoch=0-step=5.ckpt").exists()
-    second = finished("midepoch_second", tmp_path)
+def test_resume_mid_epoch_uses_every_sample_once(midepoch_runs):
+    out, first, second = midepoch_runs["midepoch"]
+    first, second = _checked(first), _checked(second)
+    assert (out / "steps" / "epoch=0-step=5.ckpt").exists()
     assert second[0]["global_step"] == first[0]["global_step"]
     assert second[0]["epoch"] == first[0]["epoch"] == 2
     before = sum(r["seen_at"]["5"] for r in first)
@@ -465,9 +576,8 @@ def test_resume_mid_epoch_uses_every_sample_once(tmp_path):
     assert before + after == 2 * 512
 
 
-def test_resume_with_a_different_heterogeneity_rebalances(tmp_path, resumable):
-    resumed_from(resumable, tmp_path)
-    fast, slow = finished("resume_swapped", tmp_path)
+def test_resume_with_a_different_heterogeneity_rebalances(resumes):
+    fast, slow = _checked(case_results("resume_swapped", resumes["resume_swapped"]))
     assert fast["epoch"] == 3
     # The restored schedule favoured rank 0; now rank 0 is the slow one and the schedule follows.
     assert fast["history"][0]["local_steps"][0] > fast["history"][0]["local_steps"][1]
@@ -521,20 +631,20 @@ def test_dataset_smaller_than_one_step_per_rank_fails_clearly(tmp_path_factory):
         assert "fewer than one optimizer step for each of the 2 ranks" in r.get("error", ""), r.get("error")
 
 
-def test_same_seed_and_pinned_speeds_give_identical_runs(tmp_path, exact_a):
+def test_same_seed_and_pinned_speeds_give_identical_runs(exact_a, exact_runs):
     a = exact_a
-    b = finished("exact_b", tmp_path / "b")
+    b = _checked(exact_runs["exact_b"][1])
     assert [h["local_steps"] for h in a[0]["history"]] == [h["local_steps"] for h in b[0]["history"]]
     assert a[0]["weights"] == b[0]["weights"]  # bit-identical on CPU
     assert a[0]["schedule"] == [3, 1]
 
 
-def test_preempted_run_resumes_to_the_uninterrupted_weights(tmp_path, exact_a):
+def test_preempted_run_resumes_to_the_uninterrupted_weights(exact_a, exact_runs):
     reference = exact_a
-    stopped = run_case("preempt_first", tmp_path / "run")
+    stopped = exact_runs["preempt_first"][1]
     assert all("SIGTERMException" in r.get("error", "") for r in stopped)
     assert stopped[0]["weights"] == stopped[1]["weights"]
-    resumed = finished("preempt_resume", tmp_path / "run")
+    resumed = _checked(exact_runs["preempt_resume"][1])
     assert 20 <= stopped[0]["global_step"] < reference[0]["global_step"]
     assert resumed[0]["global_step"] == reference[0]["global_step"]
     # Nothing lost, nothing repeated, and the same trajectory: bit-identical final weights.
@@ -542,37 +652,37 @@ def test_preempted_run_resumes_to_the_uninterrupted_weights(tmp_path, exact_a):
     assert resumed[0]["weights"] == reference[0]["weights"]
 
 
-def test_a_rank_that_raises_is_named_by_the_others(tmp_path):
-    survivor, failed = run_case("raise_rank1", tmp_path)
+def test_a_rank_that_raises_is_named_by_the_others(failure_runs):
+    survivor, failed = case_results("raise_rank1", failure_runs["raise_rank1"])
     assert "injected failure in training_step" in failed["error"]
     assert "Rank 1 failed: ValueError: injected failure in training_step" in survivor["error"], survivor["error"]
     assert survivor["error_after_s"] < 30
 
 
-def test_a_rank_that_raises_is_named_by_a_worker_waiting_for_it_on_the_server(tmp_path):
-    survivor, failed = run_case("ps_raise_rank1", tmp_path)
+def test_a_rank_that_raises_is_named_by_a_worker_waiting_for_it_on_the_server(failure_runs):
+    survivor, failed = case_results("ps_raise_rank1", failure_runs["ps_raise_rank1"])
     assert "injected failure in training_step" in failed["error"]
     assert "Rank 1 failed: ValueError: injected failure in training_step" in survivor["error"], survivor["error"]
     assert survivor["error_after_s"] < 30
 
 
-def test_a_rank_that_raises_is_named_by_a_worker_waiting_for_it_in_a_ripples_group(tmp_path):
-    survivor, failed = run_case("ripples_raise_rank1", tmp_path)
+def test_a_rank_that_raises_is_named_by_a_worker_waiting_for_it_in_a_ripples_group(failure_runs):
+    survivor, failed = case_results("ripples_raise_rank1", failure_runs["ripples_raise_rank1"])
     assert "injected failure in training_step" in failed["error"]
     assert "ank 1" in survivor["error"], survivor["error"]
     assert survivor["error_after_s"] < 30
 
 
-def test_a_hung_rank_is_named_after_the_collective_timeout(tmp_path):
-    survivor, _ = run_case("hang_rank1", tmp_path)
+def test_a_hung_rank_is_named_after_the_collective_timeout(failure_runs):
+    survivor, _ = case_results("hang_rank1", failure_runs["hang_rank1"])
     # Rank 1 hangs inside a step until rank 0 has reported (at most 25 s): rank 0 gives up after the 8 s collective
     # timeout, not after the hang.
     assert "Rank(s) 1 did not reach this round" in survivor["error"], survivor["error"]
     assert survivor["error_after_s"] < 22
 
 
-def test_a_killed_rank_is_reported_and_nothing_is_left_running(tmp_path):
-    run_case("kill_rank1", tmp_path, ranks=())  # fails if anything of the run is still alive afterwards
+def test_a_killed_rank_is_reported_and_nothing_is_left_running(failure_runs):
+    tmp_path = failure_runs["kill_rank1"]  # the launch failed if anything of the run outlived it
     survivor = tmp_path / "rank0.json"
     if survivor.exists():  # rank 0 saw the broken all-reduce first and named the missing rank
         error = json.loads(survivor.read_text())["error"]
@@ -632,12 +742,13 @@ def test_timed_warmup_keeps_the_fast_rank_training_while_the_slow_one_warms_up(t
     assert [s // 8 for s in fixed["history"][0]["samples"]] == [2, 2]
 
 
-def test_deadline_rounds_resume_mid_round_without_losing_or_repeating_data(tmp_path):
-    first = finished("deadline_midepoch_first", tmp_path)
-    assert (tmp_path / "steps" / "epoch=0-step=13.ckpt").exists()
+def test_deadline_rounds_resume_mid_round_without_losing_or_repeating_data(midepoch_runs):
+    out, first, second = midepoch_runs["deadline_midepoch"]
+    first = _checked(first)
+    assert (out / "steps" / "epoch=0-step=13.ckpt").exists()
     # What both ranks trained before the checkpoint (a cut in the middle of a deadline round), then the resumed run.
     before = [idx for r in first for step, batch in r["trained_steps"] if step < 13 for idx in batch]
-    fast, slow = finished("deadline_midepoch_second", tmp_path)
+    fast, slow = _checked(second)
     after = fast["trained"][0] + slow["trained"][0]
     assert sorted(before + after) == list(range(480)), "the resumed epoch trains exactly what was left"
     _epochs_complete({"trained": fast["trained"][1:]}, {"trained": slow["trained"][1:]}, 480)
@@ -705,11 +816,12 @@ def test_dasp_moves_a_slow_rank_out_of_the_synchronous_group_and_back(tmp_path, 
 
 
 @pytest.mark.parametrize("paradigm", ["ripples", "ssp", "overlap"])
-def test_step_synced_paradigms_resume_mid_epoch_without_losing_or_repeating_data(paradigm, tmp_path):
-    first = finished(f"{paradigm}_midepoch_first", tmp_path)
-    assert (tmp_path / "steps" / "epoch=0-step=13.ckpt").exists()
+def test_step_synced_paradigms_resume_mid_epoch_without_losing_or_repeating_data(paradigm, midepoch_runs):
+    out, first, second = midepoch_runs[f"{paradigm}_midepoch"]
+    first = _checked(first)
+    assert (out / "steps" / "epoch=0-step=13.ckpt").exists()
     before = [idx for r in first for step, batch in r["trained_steps"] if step < 13 for idx in batch]
-    fast, slow = finished(f"{paradigm}_midepoch_second", tmp_path)  # equal weights and steps on both ranks
+    fast, slow = _checked(second)  # equal weights and steps on both ranks
     after = fast["trained"][0] + slow["trained"][0]
     assert sorted(before + after) == list(range(480)), "the resumed epoch trains exactly what was left"
     _epochs_complete({"trained": fast["trained"][1:]}, {"trained": slow["trained"][1:]}, 480)
@@ -717,10 +829,11 @@ def test_step_synced_paradigms_resume_mid_epoch_without_losing_or_repeating_data
 
 
 @pytest.mark.parametrize("paradigm", ["ripples", "ssp", "overlap"])
-def test_step_synced_paradigms_stop_every_rank_at_one_round_boundary_on_sigterm(paradigm, tmp_path):
+def test_step_synced_paradigms_stop_every_rank_at_one_round_boundary_on_sigterm(paradigm, signal_runs):
     import torch
 
-    results = run_case(f"{paradigm}_sigterm", tmp_path)  # rank 1 alone receives SIGTERM at step 7
+    tmp_path = signal_runs[f"{paradigm}_sigterm"]
+    results = case_results(f"{paradigm}_sigterm", tmp_path)  # rank 1 alone receives SIGTERM at step 7
     for r in results:
         assert "SIGTERMException" in r.get("error", ""), r.get("error")
     fast, slow = results
@@ -754,6 +867,6 @@ def test_overlapped_averaging_reaches_the_models_late_yet_leaves_them_equal_wher
     assert fast["num_averagings"] - fast["applied_late"] >= 4  # an averaging applied at once before each
 
 
-def test_a_time_interval_checkpoint_is_refused_clearly_where_ranks_wait_inside_rounds(tmp_path):
-    for r in run_case("ripples_time_checkpoint", tmp_path):
+def test_a_time_interval_checkpoint_is_refused_clearly_where_ranks_wait_inside_rounds(signal_runs):
+    for r in case_results("ripples_time_checkpoint", signal_runs["ripples_time_checkpoint"]):
         assert "train_time_interval" in r.get("error", "") and "every_n_train_steps" in r["error"], r.get("error")
