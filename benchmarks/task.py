@@ -19,6 +19,7 @@ strategy faces the same cluster: one GPU ``k`` times slower on the same network.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 import time
@@ -41,6 +42,7 @@ def make_dataset(n: int, seed: int, dim: int = 32, classes: int = 10, noise: flo
     return TensorDataset(x, y)
 
 
+@functools.lru_cache(maxsize=2)
 def load_digits_split(test_size: int = 360) -> tuple[TensorDataset, TensorDataset]:
     """scikit-learn's handwritten digits (1,797 real 8x8 images, shipped with the package: no download), scaled to
     [0, 1], as (train, test): a fixed, class-stratified split of ``test_size`` test images (seed 0)."""

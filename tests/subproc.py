@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,6 +68,29 @@ def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None) -
         log, _ = proc.communicate()
         return None, log
     return proc.returncode, log
+
+
+def run_in_pairs(
+    cmds: Sequence[Sequence[str]], timeout: float, env: dict[str, str] | None = None
+) -> list[tuple[int | None, str]]:
+    """Run independent commands two at a time (their processes mostly sleep or wait: two launches share two cores
+    well), each with its own ``timeout``; ``(exit code or None on timeout, log)`` per command, in order."""
+    results: list[tuple[int | None, str] | None] = [None] * len(cmds)
+    pending = list(enumerate(cmds))
+    running: list[tuple[int, subprocess.Popen, float]] = []
+    while pending or running:
+        while pending and len(running) < 2:
+            index, cmd = pending.pop(0)
+            running.append((index, start(cmd, env), time.monotonic() + timeout))
+        index, proc, deadline = running.pop(0)
+        try:
+            log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results[index] = (proc.returncode, log)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            log, _ = proc.communicate()
+            results[index] = (None, log)
+    return [r for r in results if r is not None]
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch.strategies import DDPStrategy
-from subproc import ROOT, as_cli, load_script, run
+from subproc import ROOT, as_cli, load_script, run_in_pairs
 
 from lightning_oscars import HeterogeneityEmulator, OscarsStrategy
 
@@ -188,21 +188,35 @@ def _last(rows: list[dict[str, str]], column: str) -> float:
     return values[-1]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("config", ["ddp.yaml", "oscars.yaml", "oscars_full.yaml"])
-def test_config_fits_on_two_ranks(config, tmp_path):
-    cmd = [
-        sys.executable,
-        str(CLI),
-        "fit",
-        "--config",
-        str(CONFIGS / config),
-        "--trainer.max_epochs=1",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false",
-        f"--trainer.logger.init_args.save_dir={tmp_path}",
+FIT_CONFIGS = ("ddp.yaml", "oscars.yaml", "oscars_full.yaml")
+
+
+@pytest.fixture(scope="module")
+def config_fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, int | None, str]]:
+    """Every config fitted on 2 ranks, two launches at a time: its log directory, exit code and log."""
+    dirs = {config: tmp_path_factory.mktemp(config.replace(".", "_")) for config in FIT_CONFIGS}
+    cmds = [
+        [
+            sys.executable,
+            str(CLI),
+            "fit",
+            "--config",
+            str(CONFIGS / config),
+            "--trainer.max_epochs=1",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            f"--trainer.logger.init_args.save_dir={out}",
+        ]
+        for config, out in dirs.items()
     ]
-    code, log = run(cmd, timeout=TIMEOUT)
+    runs = run_in_pairs(cmds, timeout=TIMEOUT)
+    return {config: (out, code, log) for (config, out), (code, log) in zip(dirs.items(), runs)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("config", FIT_CONFIGS)
+def test_config_fits_on_two_ranks(config, config_fits):
+    tmp_path, code, log = config_fits[config]
     assert code is not None, f"{config}: no exit within {TIMEOUT}s (deadlock?)\n{log[-4000:]}"
     assert code == 0, f"{config}: exit code {code}\n{log[-4000:]}"
     if config != "ddp.yaml":  # plain ddp leaves the gloo group to interpreter exit, which can abort (see strategy.py)

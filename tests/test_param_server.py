@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from subproc import ROOT, clean_env, run
+from subproc import ROOT, clean_env, run_in_pairs
 
 from lightning_oscars.shard import Shard, shard_bounds
 from lightning_oscars.staleness import ASP, BSP, DASP, DSSP, SSP, StalenessRule
@@ -166,16 +166,25 @@ def test_dasp_shards_deciding_states_on_their_own_deadlock_which_is_why_the_push
     assert not all(outcomes)
 
 
-def _run(case: str, tmp_path: Path) -> list[dict]:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    code, log = run([sys.executable, str(ROOT / "tests" / "ps_case.py"), case, str(tmp_path)], 120, clean_env())
-    assert code == 0, log[-4000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+@pytest.fixture(scope="module")
+def ps_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``tests/ps_case.py``'s cases on 2 ranks: each case's directory. ``bsp`` and ``ssp`` launch together; ``asp``
+    alone, since its test counts how far the fast rank got while the slow one pushed (a ratio of their speeds)."""
+    dirs = {case: tmp_path_factory.mktemp(f"ps_{case}") for case in ("bsp", "ssp", "asp")}
+    cmds = {case: [sys.executable, str(ROOT / "tests" / "ps_case.py"), case, str(out)] for case, out in dirs.items()}
+    runs = run_in_pairs([cmds["bsp"], cmds["ssp"]], 120, clean_env()) + run_in_pairs([cmds["asp"]], 120, clean_env())
+    for case, (code, log) in zip(("bsp", "ssp", "asp"), runs):
+        assert code == 0, f"{case}: exit code {code}\n{log[-4000:]}"
+    return dirs
+
+
+def _run(case: str, dirs: dict[str, Path]) -> list[dict]:
+    return [json.loads((dirs[case] / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.mark.multiprocess
-def test_bsp_on_the_server_reproduces_ddp_for_sgd_with_momentum(tmp_path):
-    fast, slow = _run("bsp", tmp_path)
+def test_bsp_on_the_server_reproduces_ddp_for_sgd_with_momentum(ps_cases):
+    fast, slow = _run("bsp", ps_cases)
     for r in (fast, slow):
         assert r["trained"] == pytest.approx(r["ddp"], abs=2e-6), "the ddp trajectory, 20 steps"
         assert r["final"] == pytest.approx(r["ddp"], abs=2e-6)
@@ -184,13 +193,13 @@ def test_bsp_on_the_server_reproduces_ddp_for_sgd_with_momentum(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_ssp_bounds_the_staleness_and_asp_never_waits(tmp_path):
-    fast, slow = _run("ssp", tmp_path / "ssp")
+def test_ssp_bounds_the_staleness_and_asp_never_waits(ps_cases):
+    fast, slow = _run("ssp", ps_cases)
     # Rank 0 (6x faster) ran ahead to the bound and waited there; no grant was ever staler than 2 clocks.
     assert max(fast["staleness"]) == 2 and max(slow["staleness"]) <= 2
     assert fast["other_clock_at_finish"] >= 20 - 2
     assert fast["final"] == slow["final"] and not fast["server_alive"] and not slow["server_alive"]
-    fast, slow = _run("asp", tmp_path / "asp")
+    fast, slow = _run("asp", ps_cases)
     # Nobody held rank 0 back: it finished while the slow rank had pushed well under half of its updates.
     assert fast["other_clock_at_finish"] < 10, fast["other_clock_at_finish"]
     assert max(fast["staleness"]) > 2
