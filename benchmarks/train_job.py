@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -66,6 +67,17 @@ def _stacks_on_sigusr2() -> None:
         faulthandler.register(signal.SIGUSR2, file=sink, all_threads=True)
 
 
+class EpochLines(L.Callback):
+    """Progress where output is not a terminal (a log, a pipe): one line per epoch on rank 0, instead of a progress
+    bar whose every redraw becomes a line of its own there."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            acc = trainer.callback_metrics.get("val_acc")
+            shown = "-" if acc is None else f"{float(acc):.4f}"
+            print(f"  epoch {trainer.current_epoch + 1}/{trainer.max_epochs}: val_acc {shown}", flush=True)
+
+
 def main() -> None:
     _stacks_on_sigusr2()
     p = argparse.ArgumentParser()
@@ -117,7 +129,9 @@ def main() -> None:
         val_check_interval=a.val_check_interval,
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=a.progress,
+        # A terminal gets Lightning's progress bar; a log or a pipe one line per epoch.
+        enable_progress_bar=a.progress and sys.stdout.isatty(),
+        callbacks=[EpochLines()] if a.progress and not sys.stdout.isatty() else None,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
