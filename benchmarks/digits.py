@@ -1,6 +1,6 @@
 """Convergence on real data: scikit-learn's handwritten digits (1,797 real 8x8 images, shipped with the package).
 
-    python -m benchmarks.digits                       # about 50 minutes on 2 CPU cores
+    python -m benchmarks.digits                       # about 30 minutes on 2 CPU cores
     python -m benchmarks.digits --seeds 2 --profiles 1x/3x --configs ddp,oscars-exact-uniform   # a quick look
 
 A small CNN (``benchmarks.task.digits_cnn``) on a fixed, class-stratified split (1,438 training, 359 test images),
@@ -23,7 +23,7 @@ from benchmarks.heterogeneous import CONFIGS, PROFILES, plot, run, time_to
 
 DIGITS_ARGS = ["--task", "digits", "--step-ms", "30", "--batch-size", "32", "--lr", "0.05"]
 DIGITS_ARGS += ["--val-check-interval", "0.5"]
-DEFAULT_CONFIGS = "ddp,oscars-exact-uniform,local_sgd,ssp-3,asp,ripples-smart-overlap-timed-warmup"
+DEFAULT_CONFIGS = "ddp,oscars-exact-uniform,local_sgd,ssp-3"
 DEFAULT_PROFILES = "homogeneous,1x/3x,1x/1x/2x/4x"
 
 
