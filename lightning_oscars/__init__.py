@@ -1,7 +1,8 @@
 """lightning-oscars: load-balanced local SGD for heterogeneous clusters, as a Lightning strategy.
 
-Importing the package registers ``strategy="oscars"`` (and the fixed-period baseline ``"local_sgd"``), and the
-parameter-server paradigms ``"bsp"``, ``"asp"``, ``"ssp"``, ``"dssp"`` and ``"dasp"``."""
+Importing the package registers ``strategy="oscars"`` (with ``"oscars_alg1"``, the fixed-period baseline
+``"local_sgd"`` and ``"every_step_averaging"``), the parameter-server paradigms ``"bsp"``, ``"asp"``, ``"ssp"``,
+``"dssp"`` and ``"dasp"``, and the decentralized ``"ripples"``. ``plot_timeline`` draws a fit's rounds."""
 
 from __future__ import annotations
 

@@ -141,7 +141,7 @@ class ParameterServerStrategy(StepSyncStrategy):
         server_momentum: the servers' own heavy-ball momentum on every push they apply (``0``, the default: none,
             the workers' optimizers keep their momentum). With it, give the workers a plain optimizer (SGD without
             momentum): the momentum then integrates every worker's updates where they meet, instead of each
-            worker re-applying its own stale gradients (README, "Momentum").
+            worker re-applying its own stale gradients (docs/paradigms.md, "Momentum").
         Other options as :class:`StepSyncStrategy`'s.
     """
 

@@ -17,8 +17,8 @@ Shipped:
 * :class:`~lightning_oscars.server_scheme.ParameterServerScheme` and :class:`~lightning_oscars.ripples.RipplesScheme`:
   the paradigms, which also act after every step (:meth:`SyncScheme.after_step`).
 
-A new scheme is a subclass in a module of its own, returned by a strategy's ``make_scheme`` (see the README's
-"Adding a scheme" and ``tests/gossip_fixture.py``).
+A new scheme is a subclass in a module of its own, returned by a strategy's ``make_scheme`` (see
+``docs/adding-a-scheme.md`` and ``tests/gossip_fixture.py``).
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
     @property
     def slot_is_real(self) -> bool:
         """Whether the batch in progress is a real local step of this rank (``False`` on a no-op slot, where hooks
-        see an empty batch and ``outputs == {}``; see the README's "No-op slots"). ``True`` outside a fit."""
+        see an empty batch and ``outputs == {}``; see ``docs/lightning-semantics.md``). ``True`` outside a fit."""
         return self._session is None or self._session.rounds.slot.real
 
     @property

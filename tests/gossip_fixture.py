@@ -1,6 +1,7 @@
 """The smallest extra scheme, written outside the package as a user would write one: gossip averaging with one
-fixed partner. It is the README's "Adding a scheme": a scheme (combine the models; the fit session owns the round's
-control data, and sums it itself since this scheme carries none), a strategy that makes it, and its registration.
+fixed partner. It is the example of ``docs/adding-a-scheme.md``: a scheme (combine the models; the fit session
+owns the round's control data, and sums it itself since this scheme carries none), a strategy that makes it, and
+its registration.
 Nothing of the package is edited; ``tests/test_multiprocess.py::test_a_scheme_written_outside_the_package_trains``
 fits a model with it by name on 2 ranks."""
 

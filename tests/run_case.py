@@ -202,7 +202,8 @@ class ManualModule(ToyModule):
         self.log("train_loss", loss, sync_dist=True)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        # The README's pattern for manual optimization: step the LR schedule in a hook every slot reaches.
+        # The pattern for manual optimization (docs/lightning-semantics.md): step the LR schedule in a hook that
+        # every slot reaches.
         if not self.two:
             self.lr_schedulers().step()
 
