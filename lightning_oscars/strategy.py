@@ -10,8 +10,6 @@ through ``callbacks`` and ``adapter.LightningAdapter`` (every private Lightning 
 
 from __future__ import annotations
 
-import inspect
-import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -24,12 +22,11 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_oscars._c10d import default_store_or_none, destroy_gloo_group_at_exit
 from lightning_oscars.adapter import LightningAdapter
+from lightning_oscars.collectives import LocalStepCollectives
 from lightning_oscars.control import RoundRecord
 from lightning_oscars.loader import empty_batch
 from lightning_oscars.policy import SchedulePolicy, Solver
@@ -37,7 +34,12 @@ from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import ModelAveraging, SyncScheme
 from lightning_oscars.session import FitSession
 from lightning_oscars.solver import DEFAULT_MAX_SPREAD, Schedule
-from lightning_oscars.strategy_options import OPTION_NAMES, OscarsOptions, check_ddp_wrapper_options
+from lightning_oscars.strategy_options import (
+    DDP_WRAPPER_OPTIONS,
+    OPTION_NAMES,
+    OscarsOptions,
+    check_ddp_wrapper_options,
+)
 from lightning_oscars.timing import make_clock
 from lightning_oscars.warmup import StoreCounter
 
@@ -46,13 +48,9 @@ __all__ = ["DEFAULT_TIMEOUT", "OscarsStrategy", "RoundRecord"]
 Averaging = Literal["uniform", "samples"]
 # Collective timeout: well under NCCL's 30 minutes, yet long enough for a large checkpoint write.
 DEFAULT_TIMEOUT = timedelta(minutes=10)
-# The barrier Lightning's Trainer.save_checkpoint holds after every write: the other ranks wait there for the writer.
-CHECKPOINT_BARRIER = "Trainer.save_checkpoint"
-# What DDPStrategy would pass on to the wrapper: such an option is dropped with a warning, any other is an error.
-_DDP_WRAPPER_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
 
 
-class OscarsStrategy(OscarsOptions, DDPStrategy):
+class OscarsStrategy(OscarsOptions, LocalStepCollectives):
     """Load-balanced local SGD for clusters whose ranks run at different speeds (the Oscars method).
 
     Args:
@@ -147,7 +145,7 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
     ) -> None:
         # Not forwarded to DDPStrategy: they configure a wrapper oscars does not use, and forwarding would make
         # LightningCLI list every DistributedDataParallel argument among this strategy's options.
-        check_ddp_wrapper_options(ddp_wrapper_kwargs, rank_zero_warn, _DDP_WRAPPER_OPTIONS)
+        check_ddp_wrapper_options(ddp_wrapper_kwargs, rank_zero_warn, DDP_WRAPPER_OPTIONS)
         DDPStrategy.__init__(
             self,
             accelerator=accelerator,
@@ -225,20 +223,6 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
     @property
     def num_averagings(self) -> int:
         return 0 if self.rounds is None else self.rounds.num_averagings
-
-    def state_dict(self) -> dict[str, Any]:
-        """Schedule, timing estimates, the epoch's plan and the scheme's state, as stored in checkpoints under
-        ``"oscars"`` (``{}`` outside a fit)."""
-        session = self._session
-        if session is None:
-            return {}
-        return {**session.rounds.state_dict(), "scheme": session.scheme.state_dict()}
-
-    def average_if_pending(self) -> None:
-        """Average now if any rank trained since the last averaging or its result is still to be applied (the same
-        answer on every rank); nothing outside a fit."""
-        if self._session is not None:
-            self._session.average_if_pending()
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -379,78 +363,6 @@ class OscarsStrategy(OscarsOptions, DDPStrategy):
             return super().training_step(*args, **kwargs)
         finally:
             self._in_local_step = False
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if self._in_local_step or self._failed:
-            # self.log(..., sync_dist=True) inside a local step: ranks run different numbers of steps, so the
-            # value stays rank-local here; epoch-level aggregates are reduced at the epoch end as usual.
-            return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        self._forbid_collective("all_gather")
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        self._forbid_collective("barrier")
-        started = time.perf_counter()
-        if not self._failed:  # when failed, the peers are gone or will not come: it would wait for the timeout
-            super().barrier(name)
-        if self._checkpoint_written and name == CHECKPOINT_BARRIER:
-            self._checkpoint_written = False  # the wait for the writer is no more training than the write
-            self._exclude_time(time.perf_counter() - started)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        self._forbid_collective("broadcast")
-        return obj if self._failed else super().broadcast(obj, src)
-
-    @property
-    def _failed(self) -> bool:
-        """A collective of this fit failed: the peers are gone or will not come."""
-        return self._session is not None and self._session.rounds.failed
-
-    def _exclude_time(self, seconds: float) -> None:
-        if self._session is not None:
-            self._session.rounds.exclude_time(seconds)
-
-    def _forbid_collective(self, name: str) -> None:
-        if self._in_local_step:
-            raise RuntimeError(
-                f"{name} was called inside training_step, which under strategy='oscars' runs a different number"
-                " of times on every rank, so the collective could never be matched. Move it to an epoch or"
-                " validation hook, or use strategy='ddp'."
-            )
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Called by trainer.save_checkpoint on every rank: checkpoints hold the averaged model.
-        self.average_if_pending()
-        return super().lightning_module_state_dict()
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        session = self._session
-        fitting = session is not None and session.fitting(LightningAdapter.trainer_of(self.lightning_module))
-        if fitting:
-            checkpoint["oscars"] = self.state_dict()
-        started = time.perf_counter()
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-        if fitting:
-            # Neither the write (rank 0) nor the barrier after it (the others wait for the writer) is a step or a
-            # round's fixed cost: both are left out like validation, or a slow file system would read as a costly
-            # all-reduce and lengthen every round.
-            self._exclude_time(time.perf_counter() - started)
-            self._checkpoint_written = True
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._restored = checkpoint.get("oscars")
-        return checkpoint
 
     @override
     def teardown(self) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_oscars.outer import OuterNesterovAveraging
 from lightning_oscars.overlap import OverlappedAveraging
@@ -13,7 +16,7 @@ from lightning_oscars.schemes import ModelAveraging, SyncScheme
 from lightning_oscars.timing import LapClock
 from lightning_oscars.warmup import WarmupGate
 
-__all__ = ["OPTION_NAMES", "OscarsOptions", "check_ddp_wrapper_options"]
+__all__ = ["DDP_WRAPPER_OPTIONS", "OPTION_NAMES", "OscarsOptions", "check_ddp_wrapper_options"]
 
 # The strategy's own options: declared once, with their defaults and documentation, in ``OscarsStrategy.__init__``'s
 # signature (which LightningCLI reads); validated once, in ``OscarsOptions._set_options``.
@@ -171,6 +174,8 @@ class OscarsOptions:
         )
 
 
+# What DDPStrategy would pass on to the wrapper: such an option is dropped with a warning, any other is an error.
+DDP_WRAPPER_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
 # Options of other strategies of the package that a user may pass to the wrong one: named in the error.
 _OPTIONS_ELSEWHERE = {
     "server_momentum": "the parameter-server strategies (bsp, asp, ssp, dssp, dasp)",

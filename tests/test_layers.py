@@ -51,6 +51,7 @@ LIGHTNING = {
     "__init__",
     "adapter",
     "callbacks",
+    "collectives",
     "epoch_metrics",
     "heterogeneity",
     "monitor",
@@ -177,7 +178,6 @@ _LOAD = (
 # Modules allowed past 400 lines, and why (the list must shrink, never grow: a listed module under the limit fails).
 OVER_400_LINES = {
     "adapter": "every private Lightning access in one module: split, it would be two",
-    "strategy": "Lightning's strategy hooks and the documentation of every option, which LightningCLI prints",
 }
 
 
