@@ -54,8 +54,8 @@ CONFIGS = {
     "oscars-deadline": ["--strategy", "oscars", "--option", "deadline_rounds=true"],
     "oscars-diloco": ["--strategy", "oscars", "--option", "outer_lr=0.7"],
     "oscars-overlap": ["--strategy", "oscars", "--option", "overlap_averaging=true"],
-    # the spread bound: 16 is the default since it was measured beside 8 (cpu_spread.md); 8 held the round at
-    # 1x/3x to [10, 3] and at 1x/5x to [12, 5], too short to amortise the all-reduce where steps are short
+    # the spread bound: 16 is the default since it was measured beside 8 (docs/benchmarks.md, Decisions); 8 held the
+    # round at 1x/3x to [10, 3] and at 1x/5x to [12, 5], too short to amortise the all-reduce where steps are short
     "oscars-spread-16": ["--strategy", "oscars", "--option", "max_spread=16"],
     "oscars-spread-8": ["--strategy", "oscars", "--option", "max_spread=8"],
     # twice the default cap on local steps (and a spread bound that lets the cap bind): rounds twice as long
