@@ -14,6 +14,11 @@ Checks:
    GPU (launched as two single-GPU "nodes"), rank 1 emulated 3x slower: the fit ends, the schedule favours rank 0,
    every rank holds the same weights, and step times were measured with CUDA events.
 4. ``fit-bf16-resnet``: the same with ``precision="bf16-mixed"`` and a torchvision ResNet-18 on 32x32 images.
+5. ``cifar10-example``: the figures a GPU user can expect from ``examples/cifar10_resnet.py`` (the paper's
+   setting) on this GPU, on CIFAR-shaped synthetic data (offline): training images per second and milliseconds per
+   step (batch 128, ``bf16-mixed``) for ResNet-18 and ResNet-101 with the CIFAR stem, one device. Each is timed
+   as the difference of two fits of ``N`` and ``2N`` images, so start-up, validation and the first epoch's
+   compilation of kernels cancel out. (``--cpu``: ResNet-18 only, fp32, a few hundred images: the plumbing.)
 
 Not testable on one GPU: NCCL (it needs one GPU per rank; two ranks on one GPU over NCCL are refused), so the
 NCCL all-reduce of the averaging buffer, NCCL timeouts and multi-GPU placement stay untested until a machine
@@ -199,6 +204,52 @@ def check_fit(accelerator: str, precision: str, model: str, timeout: int) -> dic
     return {"verdict": "PASS" if ok else "FAIL", "ranks": ranks}
 
 
+def _example_fit(arch: str, images: int, accelerator: str, precision: str, timeout: int, tmp: str) -> float:
+    """Seconds of one single-device fit of the CIFAR-10 example on ``images`` synthetic images (one epoch)."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "cifar10_resnet.py"),
+        "fit",
+        "--config",
+        str(ROOT / "examples" / "configs" / "cifar10.yaml"),
+        f"--model.arch={arch}",
+        "--data.synthetic=true",
+        f"--data.synthetic_train_size={images}",
+        "--data.synthetic_val_size=256",
+        "--data.num_workers=2",
+        f"--trainer.accelerator={accelerator}",
+        "--trainer.devices=1",
+        "--trainer.strategy=auto",
+        f"--trainer.precision={precision}",
+        "--trainer.max_epochs=1",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp}",  # the checkpoints go there too
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"{arch} on {images} images failed: {(done.stdout + done.stderr)[-1500:]}")
+    return time.perf_counter() - start
+
+
+def check_cifar10_example(accelerator: str, cuda: bool, timeout: int) -> dict:
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        return {"verdict": "SKIP", "why": "torchvision is not installed"}
+    precision = "bf16-mixed" if cuda else "32-true"
+    sizes = {"resnet18": 20_000, "resnet101": 5_000} if cuda else {"resnet18": 256}
+    figures = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch, n in sizes.items():
+            short = _example_fit(arch, n, accelerator, precision, timeout, tmp)
+            long = _example_fit(arch, 2 * n, accelerator, precision, timeout, tmp)
+            per_image = max(long - short, 1e-9) / n
+            figures[arch] = {"images_per_s": round(1.0 / per_image), "ms_per_step_of_128": round(128e3 * per_image, 1)}
+    return {"verdict": "PASS", "precision": precision, "figures": figures}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="run the plumbing on the CPU (CUDA-only checks SKIP)")
@@ -217,6 +268,7 @@ def main() -> None:
         "fit-gpu-2ranks": lambda: check_fit(accelerator, "32-true", "mlp", a.timeout),
         # A CPU without native bf16 takes ~17 s per bf16 ResNet-18 step: --cpu checks the ResNet path in fp32.
         "fit-bf16-resnet": lambda: check_fit(accelerator, "bf16-mixed" if cuda else "32-true", "resnet18", a.timeout),
+        "cifar10-example": lambda: check_cifar10_example(accelerator, cuda, 4 * a.timeout),
     }
     results = {}
     for name, check in checks.items():
