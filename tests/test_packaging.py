@@ -95,20 +95,44 @@ CORE = {
 }
 
 
+# The `plot` extra's modules: allowed only inside a function, so that importing the package never needs them.
+DRAWN_LAZILY = {"matplotlib"}
+
+
+def _imports(tree: ast.AST) -> list[tuple[str, bool]]:
+    """Each imported top-level module with whether the import sits inside a function (runs only when called)."""
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if isinstance(node, ast.Import):
+            found.extend((alias.name.split(".")[0], in_function) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module.split(".")[0], in_function))
+        inside = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inside)
+
+    visit(tree, False)
+    return found
+
+
 def test_package_imports_only_core_dependencies(wheel):
     archive = zipfile.ZipFile(wheel)
     imported: dict[str, set[str]] = {}
+    eager: dict[str, set[str]] = {}
     for name in archive.namelist():
         if name.startswith("lightning_oscars/") and name.endswith(".py"):
-            for node in ast.walk(ast.parse(archive.read(name))):
-                if isinstance(node, ast.Import):
-                    modules = [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    modules = [node.module]
-                else:
-                    continue
-                for module in modules:
-                    imported.setdefault(module.split(".")[0], set()).add(name)
-    outside = {m: files for m, files in imported.items() if m not in CORE and m not in sys.stdlib_module_names}
+            for module, in_function in _imports(ast.parse(archive.read(name))):
+                imported.setdefault(module, set()).add(name)
+                if not in_function:
+                    eager.setdefault(module, set()).add(name)
+    outside = {
+        m: files
+        for m, files in imported.items()
+        if m not in CORE and m not in DRAWN_LAZILY and m not in sys.stdlib_module_names
+    }
     assert not outside, f"the package imports modules that are not core dependencies: {outside}"
+    eager_optional = {m: files for m, files in eager.items() if m in DRAWN_LAZILY}
+    assert not eager_optional, f"optional modules imported at module level: {eager_optional}"
     assert {"torch", "lightning", "numpy"} <= set(imported)  # the walk saw the real imports
+    assert "matplotlib" in imported  # ... including the lazy ones
