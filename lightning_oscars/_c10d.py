@@ -18,6 +18,7 @@ __all__ = [
     "destroy_gloo_group_at_exit",
     "destroy_group",
     "new_gloo_group",
+    "new_replica_groups",
     "retire_group",
 ]
 
@@ -72,6 +73,19 @@ def new_gloo_group() -> Any:
     while _RETIRED:
         destroy_group(_RETIRED.pop())
     return group
+
+
+def new_replica_groups(replicas: list[list[int]], rank: int) -> Any:
+    """One process group per replica (collective: every rank makes every group, on the default backend), after which
+    the retired groups are destroyed. Returns the group of the replica that holds ``rank``."""
+    mine = None
+    for ranks in replicas:
+        group = torch.distributed.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    while _RETIRED:
+        destroy_group(_RETIRED.pop())
+    return mine
 
 
 _EXIT_HANDLER_REGISTERED = False

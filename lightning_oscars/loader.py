@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_oscars.deadline import DeadlinePacer
 from lightning_oscars.epoch_order import EpochOrder, training_set_size
 from lightning_oscars.partition import EpochPlan
+from lightning_oscars.replicas import ReplicaLayout, replica_batches
 from lightning_oscars.slots import SlotCursor, SlotInfo
 from lightning_oscars.warmup import WarmupGate
 
@@ -94,10 +95,12 @@ class LoadBalancedLoader:
 
     Args:
         dataloader: the user's loader; its dataset, batch size, ``drop_last`` and worker settings are used.
-        rank, world_size: this process's place.
+        rank, world_size: this process's place among the replicas (its replica, and how many there are).
         shuffle, seed: without ``order``: shuffle the epoch (seeded by ``seed + epoch``, identical on every rank).
         batches_per_slot: ``accumulate_grad_batches``.
         order: the epoch order (see :class:`EpochOrder`); overrides ``shuffle`` and ``seed``.
+        replica_size, member: the ranks per replica and this rank's place in its replica (``replicas.py``): the
+            plan's batches are replica batches of ``replica_size`` user batches, of which this rank fetches its part.
     """
 
     def __init__(
@@ -109,6 +112,8 @@ class LoadBalancedLoader:
         seed: int = 0,
         batches_per_slot: int = 1,
         order: EpochOrder | None = None,
+        replica_size: int = 1,
+        member: int = 0,
     ) -> None:
         size = training_set_size(dataloader)
         dataset = dataloader.dataset
@@ -124,9 +129,12 @@ class LoadBalancedLoader:
         self.batch_size = int(dataloader.batch_size)
         self.drop_last = bool(dataloader.drop_last)
         self.num_samples = order.num_samples
-        self.num_batches = (
-            self.num_samples // self.batch_size if self.drop_last else math.ceil(self.num_samples / self.batch_size)
-        )
+        if not 0 <= member < replica_size:
+            raise ValueError(f"member {member} outside a replica of {replica_size} ranks")
+        self.layout = ReplicaLayout(replica_size, replica_size)
+        self.member = member
+        # The plan's batches: a replica's (replica_size of the user's batches; the user's own when it is 1).
+        self.num_batches = replica_batches(self.num_samples, self.batch_size, replica_size, self.drop_last)
         self.rank = rank
         self.world_size = world_size
         self.batches_per_slot = 1
@@ -163,10 +171,12 @@ class LoadBalancedLoader:
         # Slots per epoch that no schedule exceeds; the strategy tightens it (see max_epoch_slots).
         self.max_slots = self.total_units
         if self.total_units < self.world_size:
+            k = self.layout.replica_size
+            who = f"{self.world_size} replicas of {k} ranks" if k > 1 else f"{self.world_size} ranks"
             raise ValueError(
-                f"The training set has {self.num_samples} samples: {self.num_batches} batches of {self.batch_size}"
-                f" in units of {batches_per_slot} (accumulate_grad_batches), fewer than one optimizer step for each"
-                f" of the {self.world_size} ranks per epoch. Use a smaller batch size or fewer ranks."
+                f"The training set has {self.num_samples} samples: {self.num_batches} batches of"
+                f" {self.batch_size * k} in units of {batches_per_slot} (accumulate_grad_batches), fewer than one"
+                f" optimizer step for each of the {who} per epoch. Use a smaller batch size or fewer ranks."
             )
 
     def units_within(self, limit: float) -> int:
@@ -176,15 +186,16 @@ class LoadBalancedLoader:
         ``size_epoch``), over the whole epoch's plan."""
         if isinstance(limit, int) or limit == 1.0:
             return self.total_units
-        per_rank = math.ceil(self.num_samples / self.world_size)  # DistributedSampler pads the last shard
+        ranks = self.world_size * self.layout.replica_size  # ddp's world: every rank of every replica
+        per_rank = math.ceil(self.num_samples / ranks)  # DistributedSampler pads the last shard
         rank_batches = per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
         limited = int(rank_batches * limit)
         if limited < 1:
             raise ValueError(
-                f"limit_train_batches={limit} leaves no training batch: each of the {self.world_size} ranks would"
+                f"limit_train_batches={limit} leaves no training batch: each of the {ranks} ranks would"
                 f" have {rank_batches} batches under ddp, and {limit} of them is less than one."
             )
-        units = math.ceil(limited * self.world_size / self.batches_per_slot)
+        units = math.ceil(limited * ranks / (self.batches_per_slot * self.layout.replica_size))
         return min(self.total_units, max(units, self.world_size))
 
     def __len__(self) -> int:
@@ -271,8 +282,13 @@ class _EpochIterator:
         owner._slots.clear()
 
     def _indices(self, batch: int) -> list[int]:
-        b = self.owner.batch_size
-        return self.owner.epoch_order(self.owner.sampler.epoch)[batch * b : (batch + 1) * b]
+        owner = self.owner
+        size = owner.batch_size * owner.layout.replica_size
+        start = batch * size
+        # The epoch's last batch keeps the remainder (replica_batches may have merged a too small one into it).
+        end = owner.num_samples if batch == owner.num_batches - 1 and not owner.drop_last else start + size
+        first, last = owner.layout.member_span(start, min(end, owner.num_samples), owner.member)
+        return owner.epoch_order(owner.sampler.epoch)[first:last]
 
     def _restart_inner(self) -> None:
         owner = self.owner

@@ -27,8 +27,9 @@ __all__ = ["ScheduleMonitor", "round_metrics", "run_fraction_of_ideal", "summari
 _PER_RANK_LIMIT = 32
 
 
-def round_metrics(record: RoundRecord, per_rank: bool, prefix: str = "oscars/") -> dict[str, float]:
-    """Flatten one round record into logger metrics (pure; unit-tested)."""
+def round_metrics(record: RoundRecord, per_rank: bool, prefix: str = "oscars/", unit: str = "rank") -> dict[str, float]:
+    """Flatten one round record into logger metrics (pure; unit-tested). ``unit``: what a record's entry is, a
+    ``"rank"`` or (with replica groups) a ``"replica"``."""
     metrics = {
         f"{prefix}round": float(record.round),
         f"{prefix}period_s": float(record.period),
@@ -46,7 +47,7 @@ def round_metrics(record: RoundRecord, per_rank: bool, prefix: str = "oscars/") 
     for name, values in series.items():
         if per_rank:
             for rank, value in enumerate(values):
-                metrics[f"{prefix}{name}/rank{rank}"] = float(value)
+                metrics[f"{prefix}{name}/{unit}{rank}"] = float(value)
         else:
             metrics[f"{prefix}{name}/min"] = float(min(values))
             metrics[f"{prefix}{name}/median"] = float(statistics.median(values))
@@ -153,7 +154,7 @@ class ScheduleMonitor(Callback):
         # the per-step hot path costs one length check.
         if self._flush(trainer) and self.prog_bar and trainer.world_size > 1:
             last = _history(trainer)[-1]
-            tau = getattr(trainer.strategy, "local_steps", last.local_steps)[trainer.global_rank]
+            tau = getattr(trainer.strategy, "local_steps", last.local_steps)[_place(trainer)[0]]
             # logger=False and no sync: a local value shown locally, never a collective.
             pl_module.log("tau", float(tau), prog_bar=True, logger=False, on_step=True, on_epoch=False)
             pl_module.log("util", float(last.utilization), prog_bar=True, logger=False, on_step=True, on_epoch=False)
@@ -205,14 +206,23 @@ class ScheduleMonitor(Callback):
         new, self._logged = history[self._logged :], len(history)
         if not trainer.loggers:
             return True
-        per_rank = self.per_rank if self.per_rank is not None else trainer.world_size <= _PER_RANK_LIMIT
+        _, unit = _place(trainer)
         for record in new:
             if record.round % self.log_every_n_rounds:
                 continue
-            metrics = round_metrics(record, per_rank)
+            per_rank = self.per_rank if self.per_rank is not None else len(record.local_steps) <= _PER_RANK_LIMIT
+            metrics = round_metrics(record, per_rank, unit=unit)
             for logger in trainer.loggers:  # loggers write on global rank 0 only
                 logger.log_metrics(metrics, step=record.global_step)
         return True
+
+
+def _place(trainer: Trainer) -> tuple[int, str]:
+    """This rank's entry in the records and what an entry is: its rank, or its replica with replica groups."""
+    layout = getattr(trainer.strategy, "layout", None)
+    if layout is None or layout.replica_size == 1:
+        return trainer.global_rank, "rank"
+    return layout.replica_of(trainer.global_rank), "replica"
 
 
 def _history(trainer: Trainer) -> Sequence[RoundRecord]:

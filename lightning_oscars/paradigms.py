@@ -52,6 +52,9 @@ _NOT_SERVED = {
     " an outer Nesterov step",
     "outer_momentum": "it configures outer_lr's outer step, which a paradigm does not take",
     "deadline_rounds": "a paradigm always runs on deadline rounds",
+    "replica_size": "a paradigm's ranks exchange after every step on their own; replica groups are for oscars and"
+    " local_sgd",
+    "replica_spans_nodes": "it configures replica_size, which a paradigm does not take",
 }
 # Options the parameter-server paradigms cannot serve on top of those.
 _NOT_SERVED_ON_THE_SERVER = {

@@ -44,7 +44,10 @@ class RoundController:
 
     Args:
         policy: decides the local steps; :meth:`begin_fit` starts it.
-        world_size / rank: this rank's place.
+        world_size / rank: this rank's place (with replica groups: the replicas, and this rank's replica).
+        member: this rank's place inside its replica (``replicas.py``). Only a replica's first rank reports its
+            measurements (under DDP its steps wait for the replica's slowest rank); the others report their samples.
+        replica_size: ranks per replica (checkpoints of another layout do not restore the plan).
         weighted: weight this rank's model by its samples in the round (else every rank weighs 1).
         deadline: deadline rounds (``deadline.py``) once a schedule is solved; :attr:`pacer` decides the slots.
         warmup_gate: time-box the warm-up round (``warmup.py``): faster ranks train until the slowest has taken its
@@ -59,6 +62,8 @@ class RoundController:
         world_size: int,
         rank: int,
         *,
+        member: int = 0,
+        replica_size: int = 1,
         weighted: bool = False,
         deadline: bool = False,
         warmup_gate: WarmupGate | None = None,
@@ -70,6 +75,10 @@ class RoundController:
         self.policy = policy
         self.world_size = world_size
         self.rank = rank
+        if not 0 <= member < replica_size:
+            raise ValueError(f"member {member} outside a replica of {replica_size} ranks")
+        self.member = member
+        self.replica_size = replica_size
         self.weighted = weighted
         self.pacer: DeadlinePacer | None = DeadlinePacer(now) if deadline else None
         self.warmup_gate = warmup_gate
@@ -294,6 +303,8 @@ class RoundController:
             jitter,
             error,
         )
+        if self.member > 0:  # the replica's first rank reports for it; its samples are every member's
+            report = RankReport(samples=self._round_samples)
         weight = float(self._round_samples) if self.weighted else 1.0
         return Contribution(self.rank, report, weight, ledger.stop or stop, ledger.sigterm, ledger.requeue)
 
@@ -372,6 +383,7 @@ class RoundController:
         estimate = self.policy.estimate
         return {
             "world_size": self.world_size,
+            "replica_size": self.replica_size,
             **self.policy.state_dict(),
             **self.ledger.state_dict(),
             "estimate": estimate[self.rank] if len(estimate) > self.rank and estimate[self.rank] > 0 else None,
@@ -380,10 +392,10 @@ class RoundController:
         }
 
     def load_state_dict(self, state: dict[str, Any] | None, total_units: int | None) -> EpochPlan | None:
-        """Resume from :meth:`state_dict` (after :meth:`begin_fit`). A different world size starts fresh: per-rank
-        timings mean nothing then. Returns the restored plan of the checkpointed epoch, if it fits the loader's
-        ``total_units``."""
-        if not state or state.get("world_size") != self.world_size:
+        """Resume from :meth:`state_dict` (after :meth:`begin_fit`). A different world size or replica layout starts
+        fresh: per-rank timings mean nothing then. Returns the restored plan of the checkpointed epoch, if it fits the
+        loader's ``total_units``."""
+        if not state or state.get("world_size") != self.world_size or state.get("replica_size", 1) != self.replica_size:
             return None
         self.ledger.load_state_dict(state)
         self.policy.load_state_dict(state, self.ledger.round_cost)

@@ -129,11 +129,13 @@ class FitSession:
             raise ValueError(
                 f"strategy='oscars' needs a torch DataLoader for training, got {type(dataloader).__name__}"
             )
-        s = self.strategy
+        rounds = self.rounds
         loader = LoadBalancedLoader(
             dataloader,
-            rank=s.global_rank,
-            world_size=s.world_size,
+            rank=rounds.rank,  # with replica groups: this rank's replica among the replicas
+            world_size=rounds.world_size,
+            replica_size=rounds.replica_size,
+            member=rounds.member,
             batches_per_slot=LightningAdapter.accumulation_at(trainer, trainer.current_epoch),
             order=EpochOrder.of(unwrap_sampler(dataloader.sampler), training_set_size(dataloader), self.seed),
         )
@@ -314,7 +316,8 @@ class FitSession:
 
     def average(self, trainer: Trainer, next_slot: int | None) -> None:
         """The round's one collective: combine the models and the control data, then act on the outcome."""
-        rounds, device, n = self.rounds, self.strategy.root_device, self.strategy.world_size
+        rounds, device = self.rounds, self.strategy.root_device
+        n = rounds.world_size  # the control data has a row per replica (per rank without replica groups)
         mine = rounds.contribution(trainer.global_step, stop=self.adapter.timer_expired())
         if device.type == "cuda":  # the rank's queued work is not part of the all-reduce
             torch.cuda.synchronize(device)

@@ -24,12 +24,18 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_oscars._c10d import default_store_or_none, destroy_gloo_group_at_exit
+from lightning_oscars._c10d import (
+    default_store_or_none,
+    destroy_gloo_group_at_exit,
+    new_replica_groups,
+    retire_group,
+)
 from lightning_oscars.adapter import LightningAdapter
 from lightning_oscars.collectives import LocalStepCollectives
 from lightning_oscars.control import RoundRecord
 from lightning_oscars.loader import empty_batch
 from lightning_oscars.policy import SchedulePolicy, Solver
+from lightning_oscars.replicas import ReplicaLayout
 from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import ModelAveraging, SyncScheme
 from lightning_oscars.session import FitSession
@@ -88,14 +94,20 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
             at the next round's end as ``x += mean - sent`` (see ``lightning_oscars.overlap``). Models are averaged
             at once where Lightning needs them equal (validation, checkpoints, epoch ends). Costs one more copy of
             the averaged tensors. Not with ``outer_lr``.
+        replica_size: ranks that train as one replica (``lightning_oscars.replicas``): ``1`` (every rank its own
+            model), ``k`` consecutive ranks, or ``"node"`` (the ranks of a node). A replica's ranks are plain data
+            parallel (``DistributedDataParallel`` on the replica's process group, every step); the rounds balance
+            the replicas. ``step_times`` / ``local_steps`` then have one entry per replica.
+        replica_spans_nodes: allow a replica whose ranks lie on different nodes (by default an error).
         timeout: collective timeout (default 10 minutes): a hung rank is reported after at most this long; a
             rank that dies or raises is reported at once. Raise it if saving a checkpoint can take longer.
         start_method: how Lightning starts the ranks (as for ``ddp``): ``"popen"`` re-runs the script.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; by default NCCL on CUDA, gloo otherwise.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
 
-    Options of the ``DistributedDataParallel`` wrapper (``find_unused_parameters``, ``bucket_cap_mb``, ...) are
-    accepted and ignored with a warning: oscars does not wrap the model. DDP gradient hooks are an error.
+    Options of the ``DistributedDataParallel`` wrapper (``find_unused_parameters``, ``bucket_cap_mb``, ...) configure
+    each replica's wrapper when ``replica_size`` is not 1; otherwise they are ignored with a warning (oscars does not
+    wrap the model). DDP gradient hooks are an error.
     """
 
     strategy_name = "oscars"
@@ -133,6 +145,8 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         outer_lr: float | None = None,
         outer_momentum: float = 0.9,
         overlap_averaging: bool = False,
+        replica_size: int | Literal["node"] = 1,
+        replica_spans_nodes: bool = False,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
@@ -145,7 +159,7 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
     ) -> None:
         # Not forwarded to DDPStrategy: they configure a wrapper oscars does not use, and forwarding would make
         # LightningCLI list every DistributedDataParallel argument among this strategy's options.
-        check_ddp_wrapper_options(ddp_wrapper_kwargs, rank_zero_warn, DDP_WRAPPER_OPTIONS)
+        check_ddp_wrapper_options(ddp_wrapper_kwargs, rank_zero_warn, DDP_WRAPPER_OPTIONS, replica_size != 1)
         DDPStrategy.__init__(
             self,
             accelerator=accelerator,
@@ -167,6 +181,9 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         self._in_local_step = False
         self._restored: dict[str, Any] | None = None
         self._checkpoint_written = False  # a checkpoint write's barrier is next
+        self._replica_wrapper_options = dict(ddp_wrapper_kwargs)  # what each replica's DDP wrapper gets
+        self._layout = ReplicaLayout(1)  # resolved once the ranks are known (setup_distributed)
+        self._replica_group: Any = None
 
     @classmethod
     @override
@@ -221,6 +238,11 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         return [] if self.rounds is None else self.rounds.history
 
     @property
+    def layout(self) -> ReplicaLayout:
+        """The replica groups of the run (one rank per replica unless ``replica_size`` says otherwise)."""
+        return self._layout
+
+    @property
     def num_averagings(self) -> int:
         return 0 if self.rounds is None else self.rounds.num_averagings
 
@@ -228,14 +250,27 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
 
     @override
     def configure_ddp(self) -> None:
-        # No DistributedDataParallel wrapper: no gradient all-reduce per step. Start from rank 0's weights.
+        # Start from rank 0's weights. No DistributedDataParallel wrapper (no gradient all-reduce per step), except
+        # with replica groups: each replica is wrapped on its own process group, so its ranks step together.
         assert self.model is not None
         LightningAdapter.sync_module_states(self.model)
+        if self._replica_group is not None:
+            self._ddp_kwargs = {**self._replica_wrapper_options, "process_group": self._replica_group}
+            super().configure_ddp()
 
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
         destroy_gloo_group_at_exit()
+        self._layout, self._replica_group = ReplicaLayout(self.world_size), None
+        if self.replica_size != 1 and self.world_size > 1:
+            # Every rank learns every rank's node (one collective, on every rank: all take the same option), so that
+            # a bad layout fails on every rank alike, before any replica group exists.
+            nodes: list[Any] = [None] * self.world_size
+            torch.distributed.all_gather_object(nodes, self.node_rank)
+            layout = ReplicaLayout.resolve(self.replica_size, self.world_size, nodes, self.replica_spans_nodes)
+            groups = [layout.ranks_of(replica) for replica in range(layout.replicas)]
+            self._layout, self._replica_group = layout, new_replica_groups(groups, self.global_rank)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -261,6 +296,7 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
             self.global_rank,
             make_clock(self.root_device),
             None if store is None else StoreCounter(store),
+            self._layout,
         )
         rounds.begin_fit(trainer.max_steps)
         restored, self._restored = self._restored, None
@@ -299,7 +335,15 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         self._fit_session = session
         scheme = ModelAveraging()
         every_step = SchedulePolicy("uniform", max_local_steps=1)
-        rounds = RoundController(every_step, self.world_size, self.global_rank, clock=make_clock(self.root_device))
+        layout = self._layout
+        rounds = RoundController(
+            every_step,
+            layout.replicas,
+            layout.replica_of(self.global_rank),
+            member=layout.member_of(self.global_rank),
+            replica_size=layout.replica_size,
+            clock=make_clock(self.root_device),
+        )
         rounds.begin_fit(trainer.max_steps)
         self._session = self._make_session(scheme, rounds, on_training_end=self._end_tuner_run)
         if session.loader is not None:
@@ -369,3 +413,5 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         self._end_fit()
         self._noop_batch = None
         super().teardown()
+        retire_group(self._replica_group)  # the wrapper that used it is gone; destroyed when the next groups are made
+        self._replica_group = None

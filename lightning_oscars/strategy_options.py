@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_oscars.outer import OuterNesterovAveraging
 from lightning_oscars.overlap import OverlappedAveraging
 from lightning_oscars.policy import SchedulePolicy, Solver
+from lightning_oscars.replicas import ReplicaLayout
 from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import ModelAveraging, SyncScheme
 from lightning_oscars.timing import LapClock
@@ -40,6 +41,8 @@ OPTION_NAMES = (
     "outer_lr",
     "outer_momentum",
     "overlap_averaging",
+    "replica_size",
+    "replica_spans_nodes",
 )
 # Options the schedule policy validates and keeps: option name -> the policy's argument.
 _POLICY_ARGS = {
@@ -77,6 +80,8 @@ class OscarsOptions:
     outer_lr: float | None
     outer_momentum: float
     overlap_averaging: bool
+    replica_size: int | str
+    replica_spans_nodes: bool
 
     def _set_options(self, options: Mapping[str, Any]) -> None:
         """Validate and keep the strategy's own options (``options``: every name of :data:`OPTION_NAMES`, as the
@@ -91,13 +96,23 @@ class OscarsOptions:
         seed = o["seed"]
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer or None, got {seed!r}")
-        for name in ("deadline_rounds", "timed_warmup", "overlap_averaging"):
+        for name in ("deadline_rounds", "timed_warmup", "overlap_averaging", "replica_spans_nodes"):
             if not isinstance(o[name], bool):
                 raise ValueError(f"{name} must be True or False, got {o[name]!r}")
         if o["overlap_averaging"] and o["outer_lr"] is not None:
             raise ValueError(
                 "overlap_averaging cannot be combined with outer_lr: the outer step needs the round's mean at the"
                 " round's end, which overlapping delivers one round late"
+            )
+        replica_size = o["replica_size"]
+        if replica_size != "node" and (
+            isinstance(replica_size, bool) or not isinstance(replica_size, int) or replica_size < 1
+        ):
+            raise ValueError(f"replica_size must be a positive integer or 'node', got {replica_size!r}")
+        if replica_size != 1 and o["deadline_rounds"]:
+            raise ValueError(
+                f"replica_size={replica_size!r} cannot be combined with deadline_rounds: a deadline round decides each"
+                " rank's steps by its own clock, and the ranks of a replica must step together"
             )
         OuterNesterovAveraging(1.0 if o["outer_lr"] is None else o["outer_lr"], o["outer_momentum"])  # raises: bad
         policy = SchedulePolicy(
@@ -124,6 +139,8 @@ class OscarsOptions:
         self.outer_lr = None if o["outer_lr"] is None else float(o["outer_lr"])
         self.outer_momentum = float(o["outer_momentum"])
         self.overlap_averaging = o["overlap_averaging"]
+        self.replica_size = replica_size
+        self.replica_spans_nodes = o["replica_spans_nodes"]
 
     def make_scheme(self) -> SyncScheme:
         """The synchronisation scheme of a fit (override to plug in another; see ``schemes.py``): model averaging,
@@ -142,16 +159,22 @@ class OscarsOptions:
         rank: int,
         clock: LapClock | None = None,
         counter: Callable[[int], int] | None = None,
+        layout: ReplicaLayout | None = None,
     ) -> RoundController:
         """The round controller of one fit under ``policy``: sample weighting, deadline rounds and the time-boxed
-        warm-up as configured (the warm-up needs ``counter``, shared by the ranks; see ``warmup.py``)."""
+        warm-up as configured (the warm-up needs ``counter``, shared by the ranks; see ``warmup.py``). With replica
+        groups (``layout``) the controller's ranks are the replicas, and the warm-up is not time-boxed: a replica's
+        ranks must take the same steps, which each rank's own view of the shared count cannot promise."""
+        layout = layout or ReplicaLayout(world_size)
         gate = None
-        if self.timed_warmup and counter is not None and world_size > 1:
+        if self.timed_warmup and counter is not None and world_size > 1 and layout.replica_size == 1:
             gate = WarmupGate(world_size, counter)
         return RoundController(
             policy,
-            world_size,
-            rank,
+            layout.replicas,
+            layout.replica_of(rank),
+            member=layout.member_of(rank),
+            replica_size=layout.replica_size,
             weighted=self.averaging == "samples",
             deadline=self.deadline_rounds,
             warmup_gate=gate,
@@ -188,15 +211,26 @@ _OPTIONS_ELSEWHERE = {
 
 
 def check_ddp_wrapper_options(
-    options: dict[str, Any], warn: Callable[[str], Any], wrapper_options: Collection[str]
+    options: dict[str, Any], warn: Callable[[str], Any], wrapper_options: Collection[str], applied: bool = False
 ) -> None:
     """DDP gradient hooks would silently do nothing without the DDP wrapper: an error. A name that is none of
     ``wrapper_options`` (``DistributedDataParallel``'s) either, a typo or another strategy's option: an error. The
-    wrapper's other options (``find_unused_parameters``, ``static_graph``, ...) are harmless to drop: a warning."""
+    wrapper's other options (``find_unused_parameters``, ``static_graph``, ...) are harmless to drop: a warning.
+    ``applied``: replica groups wrap each replica in DDP, which takes these options; those the strategy sets itself
+    (the replica's process group, the devices) are an error."""
     hooks = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
     for name in hooks:
         if options.get(name) is not None:
-            raise ValueError(f"{name} is a DDP gradient-hook option; oscars does not wrap the model in DDP")
+            raise ValueError(
+                f"{name} is a DDP gradient-hook option; oscars "
+                + ("does not take DDP hooks inside a replica" if applied else "does not wrap the model in DDP")
+            )
+    if applied:
+        for name in ("process_group", "device_ids", "output_device", "device_mesh"):
+            if name in options:
+                raise ValueError(
+                    f"{name} is set by the strategy for each replica (its process group and device); leave it out"
+                )
     for name in options:
         if name not in wrapper_options and name not in hooks:
             where = _OPTIONS_ELSEWHERE.get(name)
@@ -205,5 +239,5 @@ def check_ddp_wrapper_options(
                 + (f": it is an option of {where}" if where else ": neither this strategy's nor DDP's")
             )
     ignored = sorted(name for name in options if name not in hooks)
-    if ignored:
+    if ignored and not applied:
         warn("oscars does not wrap the model in DistributedDataParallel; ignoring " + ", ".join(ignored))

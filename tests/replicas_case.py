@@ -1,0 +1,188 @@
+"""Replica groups on 4 ranks as 2 replicas of 2 (ranks 2-3 3x slower), several fits in the same four processes (one
+launch). After every real step each rank records a digest of its weights; each rank writes what it trained on and
+ended with as JSON.
+
+Usage: python tests/replicas_case.py OUT_DIR. Launched by tests/test_replicas.py (with a timeout)."""
+
+from __future__ import annotations
+
+import faulthandler
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+import lightning_oscars  # noqa: E402 - registers the strategies by name
+from lightning_oscars import HeterogeneityEmulator  # noqa: E402
+
+# 65 samples in replica batches of 2 x 4: the last batch's single leftover sample joins the one before it.
+SAMPLES, BATCH_SIZE, FEATURES, CLASSES = 65, 4, 6, 3
+STEP_COST_S = 0.004  # emulated compute per step: the emulator's 3x sleeps in proportion to it
+SLOWER = {2: 3.0, 3: 3.0}  # the second replica
+# name -> (model, strategy options, Trainer options)
+FITS: dict[str, tuple[str, dict, dict]] = {
+    "mlp": ("mlp", {"replica_size": 2}, {"max_epochs": 2, "limit_val_batches": 1.0}),
+    "batchnorm_accumulate": ("batchnorm", {"replica_size": 2}, {"max_epochs": 1, "accumulate_grad_batches": 2}),
+    "frozen_local_sgd": ("frozen", {"replica_size": 2, "solver": "uniform", "max_local_steps": 3}, {"max_epochs": 1}),
+}
+
+
+class IndexedBlobs(Dataset):
+    """Gaussian blobs whose items carry their index, so each rank can tell which samples it trained on."""
+
+    def __init__(self, samples: int = SAMPLES) -> None:
+        g = torch.Generator().manual_seed(0)
+        centers = torch.randn(CLASSES, FEATURES, generator=g) * 2.0
+        self.y = torch.randint(0, CLASSES, (samples,), generator=g)
+        self.x = centers[self.y] + torch.randn(samples, FEATURES, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, int]:
+        return self.x[index], self.y[index], index
+
+
+def make_net(model: str) -> nn.Module:
+    if model == "batchnorm":
+        return nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, CLASSES))
+    net = nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, CLASSES))
+    if model == "frozen":
+        net[0].requires_grad_(False)
+    return net
+
+
+def digest(module: nn.Module, buffers: bool = True) -> str:
+    """The module's parameters (and buffers), bit for bit."""
+    h = hashlib.sha1()
+    for tensor in module.state_dict().values() if buffers else module.parameters():
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class IndexedModule(L.LightningModule):
+    def __init__(self, model: str) -> None:
+        super().__init__()
+        self.net = make_net(model)
+        self.trained: dict[int, list[int]] = {}  # epoch -> indices of the samples this rank trained on
+        # global step -> digest of the parameters after it (real steps only). Not the buffers: DDP makes a replica's
+        # buffers its first rank's at the start of each forward, and each rank's BatchNorm then updates its own.
+        self.after_step: dict[int, str] = {}
+        self.wrapped = ""  # the type of the model the strategy trains
+        self.validated = 0
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y, index = batch
+        self.trained.setdefault(self.current_epoch, []).extend(index.tolist())
+        time.sleep(STEP_COST_S)
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        if self.trainer.strategy.slot_is_real:
+            self.after_step[self.trainer.global_step] = digest(self.net, buffers=False)
+
+    def on_train_start(self) -> None:
+        self.wrapped = type(self.trainer.strategy.model).__name__
+
+    def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
+        x, y, _ = batch
+        self.validated += len(y)
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedBlobs(), batch_size=BATCH_SIZE, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedBlobs(16), batch_size=BATCH_SIZE)
+
+
+def trainer(options: dict, trainer_options: dict, callbacks: list | None = None) -> L.Trainer:
+    return L.Trainer(
+        strategy=lightning_oscars.OscarsStrategy(**options),
+        accelerator="cpu",
+        devices=4,
+        callbacks=[HeterogeneityEmulator(SLOWER), *(callbacks or [])],
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **{"limit_val_batches": 0, **trainer_options},
+    )
+
+
+def outcome(module: IndexedModule, fitted: L.Trainer) -> dict:
+    strategy = fitted.strategy
+    return {
+        "rank": fitted.global_rank,
+        "replica": strategy.layout.replica_of(fitted.global_rank),
+        "wrapped": module.wrapped,
+        "weights": digest(module.net),
+        "after_step": {str(step): d for step, d in module.after_step.items()},
+        "trained": {str(epoch): indices for epoch, indices in module.trained.items()},
+        "validated": module.validated,
+        "local_steps": [list(r.local_steps) for r in strategy.history],
+        "samples": [list(r.samples) for r in strategy.history],
+        "global_step": fitted.global_step,
+    }
+
+
+def fit_one(name: str) -> dict:
+    model, options, trainer_options = FITS[name]
+    L.seed_everything(0, verbose=False)
+    module = IndexedModule(model)
+    frozen_before = [p.detach().clone() for p in module.parameters() if not p.requires_grad]
+    fitted = trainer(options, trainer_options)
+    fitted.fit(module)
+    result = outcome(module, fitted)
+    result["frozen_kept"] = all(
+        torch.equal(a, b) for a, b in zip(frozen_before, (p for p in module.parameters() if not p.requires_grad))
+    )
+    return result
+
+
+def resume_across_layouts(out: Path, first: int, then: int) -> dict:
+    """One epoch with ``replica_size=first`` saving ``last.ckpt``, then a second epoch resumed from it with
+    ``replica_size=then``."""
+    checkpoints = out / f"layouts_{first}_{then}"
+    result: dict = {}
+    for epochs, size in ((1, first), (2, then)):
+        L.seed_everything(0, verbose=False)
+        module = IndexedModule("mlp")
+        saving = L.pytorch.callbacks.ModelCheckpoint(checkpoints, save_last=True)
+        fitted = trainer({"replica_size": size}, {"max_epochs": epochs}, [saving])
+        fitted.fit(module, ckpt_path=str(checkpoints / "last.ckpt") if epochs == 2 else None)
+        result = outcome(module, fitted)
+    return result
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dump_after = float(os.environ.get("OSCARS_TEST_DUMP_AFTER", "0"))
+    if dump_after > 0:  # a hang prints every rank's stack (to the test's log) and exits instead of waiting
+        faulthandler.dump_traceback_later(dump_after, exit=True)
+    results: dict[str, dict] = {}
+    for name in FITS:
+        results[name] = fit_one(name)
+    results["resume_2_then_1"] = resume_across_layouts(out, 2, 1)
+    results["resume_1_then_2"] = resume_across_layouts(out, 1, 2)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{results['mlp']['rank']}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()
