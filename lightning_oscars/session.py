@@ -376,9 +376,21 @@ class FitSession:
         board = FailureBoard.from_default_group(n)
         round_index = self.rounds.num_averagings + 1
         if board is not None:
-            return board.explain(rank, round_index, error, what=what)
-        cause = f"{type(error).__name__}: {error}"
-        return describe_collective_failure(rank, n, round_index, {}, [rank], cause, what=what)
+            message = board.explain(rank, round_index, error, what=what)
+        else:
+            cause = f"{type(error).__name__}: {error}"
+            message = describe_collective_failure(rank, n, round_index, {}, [rank], cause, what=what)
+        return message + self._replica_note()
+
+    def _replica_note(self) -> str:
+        """Where the ranks of a failure report sit, with replica groups."""
+        k = self.rounds.replica_size
+        if k == 1:
+            return ""
+        return (
+            f" (replica groups of {k} consecutive ranks: rank r is in replica r // {k}; this rank"
+            f" {self.strategy.global_rank} is in replica {self.rounds.rank})"
+        )
 
     def report_failure(self, error: BaseException) -> None:
         """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""

@@ -115,6 +115,12 @@ def test_full_config_overrides_from_command_line(example_cli, tmp_path):
     assert strategy._timeout == timedelta(minutes=5)
 
 
+@pytest.mark.parametrize(("given", "expected"), [("node", "node"), ("4", 4)])
+def test_replica_size_from_command_line(example_cli, tmp_path, given, expected):
+    cli = _cli(example_cli, "oscars_full.yaml", tmp_path, f"--trainer.strategy.init_args.replica_size={given}")
+    assert cli.trainer.strategy.replica_size == expected
+
+
 def test_invalid_option_is_rejected(example_cli, tmp_path):
     with pytest.raises(SystemExit):  # jsonargparse: not one of the Literal values
         _cli(example_cli, "oscars_full.yaml", tmp_path, "--trainer.strategy.init_args.solver=fastest")

@@ -19,7 +19,7 @@ TIMEOUT = 120
 JOB = str(ROOT / "tests" / "torchrun_job.py")
 
 
-def _run_nodes(commands: list[tuple[list[str], dict[str, str]]], out: Path) -> list[dict]:
+def _run_nodes(commands: list[tuple[list[str], dict[str, str]]], out: Path, ranks: int = 2) -> list[dict]:
     """Start every node's command at once; a shared hard deadline kills all of them (one hung node leaves the
     others waiting at the rendezvous). Returns each global rank's JSON."""
     nodes = [start(cmd, env) for cmd, env in commands]
@@ -41,7 +41,7 @@ def _run_nodes(commands: list[tuple[list[str], dict[str, str]]], out: Path) -> l
     assert not timed_out, f"nodes did not finish within {TIMEOUT}s (deadlock?)\n{report}"
     assert [p.returncode for p in nodes] == [0] * len(nodes), report
     results = []
-    for rank in range(len(nodes)):
+    for rank in range(ranks):
         path = out / f"rank{rank}.json"
         assert path.exists(), f"rank {rank} wrote no result\n{report}"
         results.append(json.loads(path.read_text()))
@@ -72,6 +72,25 @@ def test_two_nodes_by_torchrun(tmp_path):
     rendezvous = ["--master-addr=127.0.0.1", f"--master-port={port}"]
     commands = [([*torchrun, f"--node-rank={node}", *rendezvous, JOB, str(tmp_path)], env) for node in (0, 1)]
     _check_balanced_and_agreed(_run_nodes(commands, tmp_path), "TorchElasticEnvironment")
+
+
+def test_two_nodes_of_two_ranks_train_as_two_replicas_by_torchrun(tmp_path):
+    """``replica_size="node"``: the ranks of a node are one replica (DDP inside), the nodes are balanced."""
+    port = free_port()
+    env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_NODE_REPLICAS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2"]
+    rendezvous = ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    commands = [([*torchrun, f"--node-rank={node}", *rendezvous, JOB, str(tmp_path)], env) for node in (0, 1)]
+    results = _run_nodes(commands, tmp_path, ranks=4)
+    for r in results:
+        assert "error" not in r, r["error"]
+        assert r["world_size"] == 4 and r["replica"] == r["node_rank"] == r["rank"] // 2
+    assert len({json.dumps(r["weights"]) for r in results}) == 1, "ranks ended with different weights"
+    schedule = results[0]["schedule"]
+    assert all(r["schedule"] == schedule for r in results) and len(schedule) == 2, "one entry per replica (node)"
+    assert schedule[0] > schedule[1], f"the faster node takes more local steps: {schedule}"
+    seen = [r["seen"] for r in results]
+    assert seen[0] + seen[1] > seen[2] + seen[3] and sum(seen) == 2 * 512, seen  # every sample once per epoch
 
 
 def test_two_nodes_as_srun_starts_them(tmp_path):

@@ -5,7 +5,10 @@ torchrun:  python -m torch.distributed.run --nnodes=2 --nproc-per-node=1 --node-
 srun:      srun --nodes=2 --ntasks-per-node=1 python tests/torchrun_job.py OUT_DIR (or its SLURM_* variables)
 
 Lightning detects TorchElasticEnvironment or SLURMEnvironment from the launcher's variables; global rank 1 is
-emulated 3x slower. Each rank writes OUT_DIR/rank{global_rank}.json."""
+emulated 3x slower. Each rank writes OUT_DIR/rank{global_rank}.json.
+
+With OSCARS_TEST_NODE_REPLICAS=1 (torchrun ``--nproc-per-node=2``): two ranks per node, each node one replica
+(``replica_size="node"``), the second node's ranks 3x slower."""
 
 from __future__ import annotations
 
@@ -34,17 +37,19 @@ def main() -> None:
     if dump_after > 0:  # a hang prints this rank's stacks and exits instead of waiting forever
         faulthandler.dump_traceback_later(dump_after, exit=True)
     module = ToyModule(step_cost=0.004)
+    node_replicas = os.environ.get("OSCARS_TEST_NODE_REPLICAS") == "1"
+    strategy_arg: Any = lightning_oscars.OscarsStrategy(replica_size="node") if node_replicas else "oscars"
     trainer = L.Trainer(
-        strategy="oscars",
+        strategy=strategy_arg,
         accelerator="cpu",
-        devices=1,
+        devices=2 if node_replicas else 1,
         num_nodes=2,
         max_epochs=2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[HeterogeneityEmulator({1: 3.0})],
+        callbacks=[HeterogeneityEmulator({2: 3.0, 3: 3.0} if node_replicas else {1: 3.0})],
     )
     result: dict = {}
     try:
@@ -58,6 +63,7 @@ def main() -> None:
         node_rank=trainer.node_rank,
         local_rank=trainer.local_rank,
         world_size=trainer.world_size,
+        replica=strategy.layout.replica_of(trainer.global_rank),
         strategy=type(strategy).__name__,
         cluster_environment=type(strategy.cluster_environment).__name__,
         schedule=list(schedule.local_steps) if schedule is not None else None,
