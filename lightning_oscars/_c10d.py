@@ -12,13 +12,15 @@ from typing import Any
 
 import torch
 
+from lightning_oscars.replicas import ReplicaLayout
+
 __all__ = [
     "default_store",
     "default_store_or_none",
     "destroy_gloo_group_at_exit",
     "destroy_group",
     "new_gloo_group",
-    "new_replica_groups",
+    "replica_groups",
     "retire_group",
 ]
 
@@ -75,17 +77,26 @@ def new_gloo_group() -> Any:
     return group
 
 
-def new_replica_groups(replicas: list[list[int]], rank: int) -> Any:
-    """One process group per replica (collective: every rank makes every group, on the default backend), after which
-    the retired groups are destroyed. Returns the group of the replica that holds ``rank``."""
+def replica_groups(
+    replica_size: int | str, spans_nodes: bool, world_size: int, rank: int, node_rank: int
+) -> tuple[ReplicaLayout, Any]:
+    """The run's replica layout and this rank's replica group (``None`` with one rank per replica). Collective when
+    ``replica_size`` is not 1: every rank learns every rank's node, so that a bad layout fails on every rank alike
+    before any group exists, then every rank makes every replica's group (on the default backend); the retired
+    groups are destroyed after."""
+    if replica_size == 1 or world_size == 1:
+        return ReplicaLayout(world_size), None
+    nodes: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(nodes, node_rank)
+    layout = ReplicaLayout.resolve(replica_size, world_size, nodes, spans_nodes)
     mine = None
-    for ranks in replicas:
-        group = torch.distributed.new_group(ranks)
-        if rank in ranks:
+    for replica in range(layout.replicas):
+        group = torch.distributed.new_group(layout.ranks_of(replica))
+        if replica == layout.replica_of(rank):
             mine = group
     while _RETIRED:
         destroy_group(_RETIRED.pop())
-    return mine
+    return layout, mine
 
 
 _EXIT_HANDLER_REGISTERED = False

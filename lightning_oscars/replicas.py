@@ -14,8 +14,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
-__all__ = ["ReplicaLayout", "replica_batches"]
+__all__ = ["Place", "ReplicaLayout", "replica_batches"]
+
+
+class Place(TypedDict):
+    """A rank's place as :class:`~lightning_oscars.rounds.RoundController` takes it: the replicas are its ranks."""
+
+    world_size: int
+    rank: int
+    member: int
+    replica_size: int
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,15 @@ class ReplicaLayout:
 
     def ranks_of(self, replica: int) -> list[int]:
         return list(range(replica * self.replica_size, (replica + 1) * self.replica_size))
+
+    def place(self, rank: int) -> Place:
+        """Where ``rank`` sits, as the round controller takes it."""
+        return {
+            "world_size": self.replicas,
+            "rank": self.replica_of(rank),
+            "member": self.member_of(rank),
+            "replica_size": self.replica_size,
+        }
 
     def member_span(self, start: int, end: int, member: int) -> tuple[int, int]:
         """Member ``member``'s part of the positions ``[start, end)`` of a replica's batch: ``k`` contiguous parts

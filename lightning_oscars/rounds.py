@@ -8,9 +8,8 @@ averaging. What every rank agreed on at each averaging (costs, jitters, requests
 1. :meth:`~RoundController.plan_epoch` at each epoch start;
 2. per slot :meth:`~RoundController.begin_slot` (the slot's data arrived) and :meth:`~RoundController.end_slot`
    (its hooks ran), which says when a round ends;
-3. :meth:`~RoundController.contribution` (this rank's control data), the all-reduce (done by the scheme),
-   then :meth:`~RoundController.absorb` with everyone's summed control data, which returns a
-   :class:`RoundOutcome` that every rank computes identically.
+3. :meth:`~RoundController.contribution` (this rank's control data), the all-reduce (the scheme's), then
+   :meth:`~RoundController.absorb` with everyone's summed data: a :class:`RoundOutcome`, the same on every rank.
 """
 
 from __future__ import annotations
@@ -44,10 +43,9 @@ class RoundController:
 
     Args:
         policy: decides the local steps; :meth:`begin_fit` starts it.
-        world_size / rank: this rank's place (with replica groups: the replicas, and this rank's replica).
-        member: this rank's place inside its replica (``replicas.py``). Only a replica's first rank reports its
-            measurements (under DDP its steps wait for the replica's slowest rank); the others report their samples.
-        replica_size: ranks per replica (checkpoints of another layout do not restore the plan).
+        world_size / rank: this rank's place (with replica groups, ``replicas.py``: the replicas, and its replica).
+        member / replica_size: its place in its replica, and the replica's ranks. Only a replica's first rank reports
+            measurements (under DDP its steps wait for the slowest rank); the others report their samples.
         weighted: weight this rank's model by its samples in the round (else every rank weighs 1).
         deadline: deadline rounds (``deadline.py``) once a schedule is solved; :attr:`pacer` decides the slots.
         warmup_gate: time-box the warm-up round (``warmup.py``): faster ranks train until the slowest has taken its
@@ -70,15 +68,10 @@ class RoundController:
         clock: LapClock | None = None,
         now: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside a world of {world_size}")
+        if not (0 <= rank < world_size and 0 <= member < replica_size):
+            raise ValueError(f"rank {rank} (member {member}) outside {world_size} replicas of {replica_size} ranks")
         self.policy = policy
-        self.world_size = world_size
-        self.rank = rank
-        if not 0 <= member < replica_size:
-            raise ValueError(f"member {member} outside a replica of {replica_size} ranks")
-        self.member = member
-        self.replica_size = replica_size
+        self.world_size, self.rank, self.member, self.replica_size = world_size, rank, member, replica_size
         self.weighted = weighted
         self.pacer: DeadlinePacer | None = DeadlinePacer(now) if deadline else None
         self.warmup_gate = warmup_gate
@@ -392,9 +385,8 @@ class RoundController:
         }
 
     def load_state_dict(self, state: dict[str, Any] | None, total_units: int | None) -> EpochPlan | None:
-        """Resume from :meth:`state_dict` (after :meth:`begin_fit`). A different world size or replica layout starts
-        fresh: per-rank timings mean nothing then. Returns the restored plan of the checkpointed epoch, if it fits the
-        loader's ``total_units``."""
+        """Resume from :meth:`state_dict` (after :meth:`begin_fit`); another world or replica layout starts fresh.
+        Returns the restored plan of the checkpointed epoch, if it fits the loader's ``total_units``."""
         if not state or state.get("world_size") != self.world_size or state.get("replica_size", 1) != self.replica_size:
             return None
         self.ledger.load_state_dict(state)

@@ -380,17 +380,8 @@ class FitSession:
         else:
             cause = f"{type(error).__name__}: {error}"
             message = describe_collective_failure(rank, n, round_index, {}, [rank], cause, what=what)
-        return message + self._replica_note()
-
-    def _replica_note(self) -> str:
-        """Where the ranks of a failure report sit, with replica groups."""
-        k = self.rounds.replica_size
-        if k == 1:
-            return ""
-        return (
-            f" (replica groups of {k} consecutive ranks: rank r is in replica r // {k}; this rank"
-            f" {self.strategy.global_rank} is in replica {self.rounds.rank})"
-        )
+        k = self.rounds.replica_size  # with replica groups: where the ranks named sit
+        return message + (f" (rank r is in replica r // {k}; this one in replica {self.rounds.rank})" if k > 1 else "")
 
     def report_failure(self, error: BaseException) -> None:
         """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""

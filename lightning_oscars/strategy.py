@@ -24,12 +24,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_oscars._c10d import (
-    default_store_or_none,
-    destroy_gloo_group_at_exit,
-    new_replica_groups,
-    retire_group,
-)
+from lightning_oscars._c10d import default_store_or_none, destroy_gloo_group_at_exit, replica_groups, retire_group
 from lightning_oscars.adapter import LightningAdapter
 from lightning_oscars.collectives import LocalStepCollectives
 from lightning_oscars.control import RoundRecord
@@ -94,10 +89,8 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
             at the next round's end as ``x += mean - sent`` (see ``lightning_oscars.overlap``). Models are averaged
             at once where Lightning needs them equal (validation, checkpoints, epoch ends). Costs one more copy of
             the averaged tensors. Not with ``outer_lr``.
-        replica_size: ranks that train as one replica (``lightning_oscars.replicas``): ``1`` (every rank its own
-            model), ``k`` consecutive ranks, or ``"node"`` (the ranks of a node). A replica's ranks are plain data
-            parallel (``DistributedDataParallel`` on the replica's process group, every step); the rounds balance
-            the replicas. ``step_times`` / ``local_steps`` then have one entry per replica.
+        replica_size: ranks that train as one replica, data parallel under ``DistributedDataParallel`` while the
+            rounds balance the replicas (``replicas.py``): ``1``, ``k`` consecutive ranks, or ``"node"``.
         replica_spans_nodes: allow a replica whose ranks lie on different nodes (by default an error).
         timeout: collective timeout (default 10 minutes): a hung rank is reported after at most this long; a
             rank that dies or raises is reported at once. Raise it if saving a checkpoint can take longer.
@@ -239,7 +232,7 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
 
     @property
     def layout(self) -> ReplicaLayout:
-        """The replica groups of the run (one rank per replica unless ``replica_size`` says otherwise)."""
+        """The run's replica groups (one rank per replica unless ``replica_size`` says otherwise)."""
         return self._layout
 
     @property
@@ -262,15 +255,9 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         destroy_gloo_group_at_exit()
-        self._layout, self._replica_group = ReplicaLayout(self.world_size), None
-        if self.replica_size != 1 and self.world_size > 1:
-            # Every rank learns every rank's node (one collective, on every rank: all take the same option), so that
-            # a bad layout fails on every rank alike, before any replica group exists.
-            nodes: list[Any] = [None] * self.world_size
-            torch.distributed.all_gather_object(nodes, self.node_rank)
-            layout = ReplicaLayout.resolve(self.replica_size, self.world_size, nodes, self.replica_spans_nodes)
-            groups = [layout.ranks_of(replica) for replica in range(layout.replicas)]
-            self._layout, self._replica_group = layout, new_replica_groups(groups, self.global_rank)
+        self._layout, self._replica_group = replica_groups(
+            self.replica_size, self.replica_spans_nodes, self.world_size, self.global_rank, self.node_rank
+        )
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -335,15 +322,8 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         self._fit_session = session
         scheme = ModelAveraging()
         every_step = SchedulePolicy("uniform", max_local_steps=1)
-        layout = self._layout
-        rounds = RoundController(
-            every_step,
-            layout.replicas,
-            layout.replica_of(self.global_rank),
-            member=layout.member_of(self.global_rank),
-            replica_size=layout.replica_size,
-            clock=make_clock(self.root_device),
-        )
+        place = self._layout.place(self.global_rank)
+        rounds = RoundController(every_step, **place, clock=make_clock(self.root_device))
         rounds.begin_fit(trainer.max_steps)
         self._session = self._make_session(scheme, rounds, on_training_end=self._end_tuner_run)
         if session.loader is not None:

@@ -171,10 +171,7 @@ class OscarsOptions:
             gate = WarmupGate(world_size, counter)
         return RoundController(
             policy,
-            layout.replicas,
-            layout.replica_of(rank),
-            member=layout.member_of(rank),
-            replica_size=layout.replica_size,
+            **layout.place(rank),
             weighted=self.averaging == "samples",
             deadline=self.deadline_rounds,
             warmup_gate=gate,

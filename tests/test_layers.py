@@ -35,6 +35,7 @@ CORE = {
     "partition",
     "policy",
     "quotas",
+    "replicas",
     "reservations",
     "rounds",
     "schedule",

@@ -171,7 +171,7 @@ def test_a_replica_is_one_rank_of_the_rounds_reported_by_its_first_rank():
     assert all(o == outcomes[0] for o in outcomes), "every rank of every replica reaches the same outcome"
     steps = ranks[0].local_steps
     assert len(steps) == 2 and steps[0] >= 2 * steps[1], "the solver balances the replicas"
-    with pytest.raises(ValueError, match="member 2 outside a replica of 2"):
+    with pytest.raises(ValueError, match=r"member 2\) outside 2 replicas of 2 ranks"):
         RoundController(SchedulePolicy("exact"), 2, 0, member=2, replica_size=2)
 
 
