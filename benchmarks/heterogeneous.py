@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -145,25 +146,61 @@ def matched_args(oscars_run: dict) -> list[str]:
     return ["--option", f"max_local_steps={max(1, round(sum(tau) / len(tau)))}"]
 
 
-def run(args: list[str], epochs: int, slowdown: str, show: bool = False) -> dict:
-    """One training run in a fresh process group; returns rank 0's JSON summary."""
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(job: list[str], nodes: int, env: dict[str, str], sink: int | None) -> int:
+    """Run ``job`` (train_job's arguments) to its end: through Lightning's launcher, or as ``nodes`` torchrun agents
+    on loopback (one per emulated node, as a cluster starts them). Returns the first non-zero exit code, else 0."""
+    if nodes == 1:
+        done = subprocess.run(job, timeout=900, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        return done.returncode
+    port, per_node = _free_port(), int(job[job.index("--devices") + 1])
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}"]
+            + [f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}", *job[1:]],
+            env=env,
+            stdout=subprocess.DEVNULL if sink == subprocess.PIPE else sink,  # a pipe nobody reads would fill up
+            stderr=subprocess.STDOUT,
+        )
+        for node in range(nodes)
+    ]
+    try:
+        codes = [agent.wait(timeout=900) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    return next((c for c in codes if c), 0)
+
+
+def run(args: list[str], epochs: int, slowdown: str, show: bool = False, nodes: int = 1) -> dict:
+    """One training run in a fresh process group (``nodes`` > 1: started by torchrun, one agent per node); returns
+    rank 0's JSON summary."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
+        ranks = ranks_of(slowdown)
+        if ranks % nodes:
+            raise ValueError(f"{ranks} ranks do not split into {nodes} nodes")
         cmd = [sys.executable, "-m", "benchmarks.train_job", *args, "--epochs", str(epochs), "--out", str(out)]
-        cmd += ["--slowdown", slowdown, "--devices", str(ranks_of(slowdown))] + (["--progress"] if show else [])
+        cmd += ["--slowdown", slowdown, "--devices", str(ranks // nodes), "--num-nodes", str(nodes)]
+        cmd += ["--progress"] if show else []
         leaked = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
         env = {k: v for k, v in os.environ.items() if k not in leaked}
         env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
         sink = None if show else subprocess.PIPE
         for attempt in (1, 2):
-            done = subprocess.run(cmd, timeout=900, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
-            if done.returncode == 0 or out.exists():
+            code = _launch(cmd, nodes, env, sink)
+            if code == 0 or out.exists():
                 # A run that wrote its result and then died (a process group's teardown at exit) still counts.
-                if done.returncode != 0:
-                    print(f"  (exit code {done.returncode} after writing its result: kept)", flush=True)
+                if code != 0:
+                    print(f"  (exit code {code} after writing its result: kept)", flush=True)
                 return json.loads(out.read_text())
-            tail = (done.stdout or "")[-2000:]
-            print(f"  run failed (exit code {done.returncode}, attempt {attempt} of 2):\n{tail}", flush=True)
+            print(f"  run failed (exit code {code}, attempt {attempt} of 2)", flush=True)
         raise RuntimeError(f"{' '.join(cmd)} failed twice")
 
 
@@ -319,6 +356,7 @@ def main() -> None:
     p.add_argument("--option", action="append", default=[], help="extra OscarsStrategy option (key=JSON) for oscars")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="heterogeneous")
+    p.add_argument("--torchrun-nodes", type=int, default=1, help="start every run as this many torchrun agents")
     a = p.parse_args()
     regime = REGIMES[a.regime]
     epochs = a.epochs or regime["epochs"]
@@ -337,7 +375,7 @@ def main() -> None:
                     args = args + matched_args(last_oscars)
                 elif name.startswith("oscars"):
                     args = args + extra
-                r = run(args, epochs, PROFILES[profile])
+                r = run(args, epochs, PROFILES[profile], nodes=a.torchrun_nodes)
                 if name.startswith("oscars"):
                     last_oscars = r
                 runs[name].append(r)
@@ -357,6 +395,7 @@ def main() -> None:
             "epochs": epochs,
             "ranks": {k: ranks_of(PROFILES[k]) for k in results},
             "profiles": {k: PROFILES[k] for k in results},
+            "launcher": f"torchrun, {a.torchrun_nodes} agents on loopback" if a.torchrun_nodes > 1 else "Lightning",
         }
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)

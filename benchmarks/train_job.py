@@ -87,7 +87,8 @@ def main() -> None:
     p.add_argument("--slowdown", default="1:3")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--val-check-interval", type=float, default=0.25)
-    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--devices", type=int, default=2, help="ranks per node")
+    p.add_argument("--num-nodes", type=int, default=1, help="nodes (started by a cluster launcher such as torchrun)")
     p.add_argument("--step-ms", type=float, default=0.0, help="GPU-like regime: sleep this long in every step")
     p.add_argument("--jitter", type=float, default=0.0, help="lognormal log-spread of every step's time")
     p.add_argument("--hidden", type=int, default=512)
@@ -125,6 +126,7 @@ def main() -> None:
         strategy=strategy,
         accelerator="cpu",
         devices=a.devices,
+        num_nodes=a.num_nodes,
         max_epochs=a.epochs,
         val_check_interval=a.val_check_interval,
         logger=False,
