@@ -78,7 +78,7 @@ def new_gloo_group() -> Any:
 
 
 def replica_groups(
-    replica_size: int | str, spans_nodes: bool, world_size: int, rank: int, node_rank: int
+    replica_size: int | str, spans_nodes: bool, world_size: int, rank: int, node_rank: int, timeout: Any = None
 ) -> tuple[ReplicaLayout, Any]:
     """The run's replica layout and this rank's replica group (``None`` with one rank per replica). Collective when
     ``replica_size`` is not 1: every rank learns every rank's node, so that a bad layout fails on every rank alike
@@ -91,7 +91,7 @@ def replica_groups(
     layout = ReplicaLayout.resolve(replica_size, world_size, nodes, spans_nodes)
     mine = None
     for replica in range(layout.replicas):
-        group = torch.distributed.new_group(layout.ranks_of(replica))
+        group = torch.distributed.new_group(layout.ranks_of(replica), timeout=timeout)  # the strategy's timeout
         if replica == layout.replica_of(rank):
             mine = group
     while _RETIRED:

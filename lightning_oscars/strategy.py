@@ -255,9 +255,11 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         destroy_gloo_group_at_exit()
-        self._layout, self._replica_group = replica_groups(
-            self.replica_size, self.replica_spans_nodes, self.world_size, self.global_rank, self.node_rank
+        timeout = timedelta(
+            seconds=LightningAdapter.collective_timeout_s(self, default=DEFAULT_TIMEOUT.total_seconds())
         )
+        place = (self.world_size, self.global_rank, self.node_rank, timeout)
+        self._layout, self._replica_group = replica_groups(self.replica_size, self.replica_spans_nodes, *place)
 
     @override
     def setup(self, trainer: Trainer) -> None:

@@ -116,7 +116,7 @@ def trainer(options: dict, trainer_options: dict, callbacks: list | None = None)
         devices=4,
         callbacks=[HeterogeneityEmulator(SLOWER), *(callbacks or [])],
         logger=False,
-        enable_checkpointing=bool(callbacks),
+        enable_checkpointing=any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks or []),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -154,6 +154,29 @@ def fit_one(name: str) -> dict:
     return result
 
 
+class StopOnRank(L.Callback):
+    """Rank ``rank`` asks the trainer to stop after its ``after``-th real step (as EarlyStopping would, locally)."""
+
+    def __init__(self, rank: int, after: int) -> None:
+        self.rank, self.after, self.steps = rank, after, 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_rank == self.rank and trainer.strategy.slot_is_real:
+            self.steps += 1
+            if self.steps == self.after:
+                trainer.should_stop = True
+
+
+def stop_from_one_rank() -> dict:
+    """The second replica's second rank asks to stop in the first round (the warm-up, the whole first epoch here):
+    every rank stops at that round's boundary."""
+    L.seed_everything(0, verbose=False)
+    module = IndexedModule("mlp")
+    fitted = trainer({"replica_size": 2}, {"max_epochs": 2}, [StopOnRank(3, after=2)])
+    fitted.fit(module)
+    return {**outcome(module, fitted), "epoch": fitted.current_epoch}
+
+
 def resume_across_layouts(out: Path, first: int, then: int) -> dict:
     """One epoch with ``replica_size=first`` saving ``last.ckpt``, then a second epoch resumed from it with
     ``replica_size=then``."""
@@ -177,6 +200,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name in FITS:
         results[name] = fit_one(name)
+    results["stop_from_rank3"] = stop_from_one_rank()
     results["resume_2_then_1"] = resume_across_layouts(out, 2, 1)
     results["resume_1_then_2"] = resume_across_layouts(out, 1, 2)
     out.mkdir(parents=True, exist_ok=True)

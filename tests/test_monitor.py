@@ -33,6 +33,8 @@ def test_round_metrics_per_rank_and_summarised():
     summary = round_metrics(r, per_rank=False)
     assert not any("rank" in k for k in summary)
     assert summary["oscars/tau/max"] == 3 and summary["oscars/tau/min"] == 1 and summary["oscars/tau/median"] == 2
+    replicas = round_metrics(r, per_rank=True, unit="replica")  # with replica groups an entry is a replica
+    assert replicas["oscars/tau/replica0"] == 3 and not any("/rank" in k for k in replicas)
 
 
 def test_summary_totals_idle_and_counts_changes():

@@ -231,7 +231,7 @@ FIT_NAMES = [*FITS, "resume_1_then_2"]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", FIT_NAMES)
+@pytest.mark.parametrize("name", [*FIT_NAMES, "stop_from_rank3"])
 def test_a_replicas_ranks_are_one_ddp_model_after_every_step(results: list[dict[str, dict]], name: str):
     ranks = [r[name] for r in results]
     assert [r["replica"] for r in ranks] == [0, 0, 1, 1]
@@ -266,3 +266,14 @@ def test_rounds_balance_the_replicas_and_validation_runs_on_one_model(results: l
     assert [r["validated"] for r in ranks] == [8, 8, 8, 8], "each rank validated its share, every epoch"
     # The second fit of the resume pair ran under replica_size=1 from a replica_size=2 checkpoint: 4 replicas.
     assert all(len(steps) == 4 for steps in results[0]["resume_2_then_1"]["local_steps"])
+
+
+@pytest.mark.multiprocess
+def test_a_stop_asked_by_one_rank_of_a_replica_stops_every_rank_at_one_round_boundary(results: list[dict[str, dict]]):
+    ranks = [r["stop_from_rank3"] for r in results]
+    assert len({r["global_step"] for r in ranks}) == 1 and len({r["weights"] for r in ranks}) == 1
+    assert ranks[0]["trained"].keys() == {"0"}, "stopped in the first of two epochs"
+    trained = [i for r in ranks for i in r["trained"]["0"]]
+    assert len(trained) == len(set(trained)), "no sample twice"
+    full = results[0]["mlp"]["global_step"]  # the same model and layout, 2 epochs, no stop
+    assert ranks[0]["global_step"] <= full / 2
