@@ -37,14 +37,14 @@ STEP_COST_S = 0.004  # emulated compute per step: the emulator's 3x sleeps in pr
 class IndexedBlobs(Dataset):
     """Gaussian blobs whose items carry their index, so each rank can tell which samples it trained on."""
 
-    def __init__(self) -> None:
+    def __init__(self, samples: int = SAMPLES) -> None:
         g = torch.Generator().manual_seed(0)
         centers = torch.randn(CLASSES, FEATURES, generator=g) * 2.0
-        self.y = torch.randint(0, CLASSES, (SAMPLES,), generator=g)
-        self.x = centers[self.y] + torch.randn(SAMPLES, FEATURES, generator=g)
+        self.y = torch.randint(0, CLASSES, (samples,), generator=g)
+        self.x = centers[self.y] + torch.randn(samples, FEATURES, generator=g)
 
     def __len__(self) -> int:
-        return SAMPLES
+        return len(self.y)
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor, int]:
         return self.x[index], self.y[index], index

@@ -19,14 +19,15 @@ import torch
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
+from paradigm_models_case import IndexedBlobs, make_net  # noqa: E402 - the same data and models
 from torch import Tensor, nn  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_oscars  # noqa: E402 - registers the strategies by name
 from lightning_oscars import HeterogeneityEmulator  # noqa: E402
 
 # 65 samples in replica batches of 2 x 4: the last batch's single leftover sample joins the one before it.
-SAMPLES, BATCH_SIZE, FEATURES, CLASSES = 65, 4, 6, 3
+SAMPLES, BATCH_SIZE = 65, 4
 STEP_COST_S = 0.004  # emulated compute per step: the emulator's 3x sleeps in proportion to it
 SLOWER = {2: 3.0, 3: 3.0}  # the second replica
 # name -> (model, strategy options, Trainer options)
@@ -35,31 +36,6 @@ FITS: dict[str, tuple[str, dict, dict]] = {
     "batchnorm_accumulate": ("batchnorm", {"replica_size": 2}, {"max_epochs": 1, "accumulate_grad_batches": 2}),
     "frozen_local_sgd": ("frozen", {"replica_size": 2, "solver": "uniform", "max_local_steps": 3}, {"max_epochs": 1}),
 }
-
-
-class IndexedBlobs(Dataset):
-    """Gaussian blobs whose items carry their index, so each rank can tell which samples it trained on."""
-
-    def __init__(self, samples: int = SAMPLES) -> None:
-        g = torch.Generator().manual_seed(0)
-        centers = torch.randn(CLASSES, FEATURES, generator=g) * 2.0
-        self.y = torch.randint(0, CLASSES, (samples,), generator=g)
-        self.x = centers[self.y] + torch.randn(samples, FEATURES, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, int]:
-        return self.x[index], self.y[index], index
-
-
-def make_net(model: str) -> nn.Module:
-    if model == "batchnorm":
-        return nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, CLASSES))
-    net = nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, CLASSES))
-    if model == "frozen":
-        net[0].requires_grad_(False)
-    return net
 
 
 def digest(module: nn.Module, buffers: bool = True) -> str:
@@ -103,7 +79,7 @@ class IndexedModule(L.LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(IndexedBlobs(), batch_size=BATCH_SIZE, shuffle=True)
+        return DataLoader(IndexedBlobs(SAMPLES), batch_size=BATCH_SIZE, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(IndexedBlobs(16), batch_size=BATCH_SIZE)
