@@ -265,6 +265,18 @@ class LoadBalancedLoader:
         self._iterator = _EpochIterator(self)
         return self._iterator
 
+    def close(self) -> None:
+        """Let go of the epoch being fetched and the inner loader's iterator, so that their worker processes exit now
+        (the loader can be iterated again, with new workers). Left to
+        a garbage-collection pass (the loader and its epoch iterator refer to each other), a worker's shutdown can
+        find its queues already finalised and wait out DataLoader's 5 s join timeout per worker."""
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None:
+            iterator.close()
+        self._slots.clear()
+        # Persistent workers live as long as their DataLoader: a fresh one (no worker until iterated) lets them go.
+        self._inner_loader = DataLoader(self.dataset, batch_sampler=self._feed, **self._loader_kwargs)
+
 
 class _EpochIterator:
     """One pass over the epoch: the cursor decides every slot (``slots.py``); this fetches and yields."""
@@ -314,6 +326,9 @@ class _EpochIterator:
             seconds = None  # worker start-up or the prefetch pipeline refilling: not a step's data loading
         self._fresh_inner = False
         return item, seconds
+
+    def close(self) -> None:
+        self._inner = None  # the last reference: its workers are shut down here, not by the garbage collector
 
     def __iter__(self) -> _EpochIterator:
         return self

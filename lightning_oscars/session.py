@@ -115,6 +115,8 @@ class FitSession:
         self._trainer, self._callbacks = None, []
         self.adapter.remove()
         self.scheme.release()
+        if self.loader is not None:
+            self.loader.close()
         self.loader = None
 
     def slot_is_real(self) -> bool:

@@ -339,8 +339,9 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         if fit_session is None:
             return
         tuner_session, self._session = self._session, fit_session
-        loader = None if tuner_session is None else tuner_session.loader
-        if tuner_session is not None:
+        loader = None
+        if tuner_session is not None:  # the loader goes back to the fit, open: the tuner's session ends without it
+            loader, tuner_session.loader = tuner_session.loader, None
             tuner_session.end()
         if loader is not None:
             fit_session.adopt_loader(loader)

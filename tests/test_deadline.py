@@ -205,6 +205,8 @@ def simulate(
             first, plan = ranks[0][0], ranks[0][0].plan
             if starts is not None and first.deadline_round is not None and ends[0][0] < plan.total_slots:
                 starts.append((plan.round_at(ends[0][0]), first.pacer.deadline_s, first.deadline_round))
+    for _, loader in ranks:
+        loader.close()  # its inner loaders' workers exit now, as at the end of a fit
     return seen, times[0].now, ranks[0][0].history
 
 

@@ -45,6 +45,7 @@ def _epoch(dataset: Dataset, rank: int, **loader_kwargs) -> tuple[list[list[int]
     assert all(not info.real for _, info in extra) and len(extra) == len(loader) - slots
     with pytest.raises(StopIteration):
         next(iterator)
+    loader.close()
     return batches, real, workers
 
 
@@ -114,6 +115,7 @@ def test_persistent_workers_survive_replans_and_epochs_and_their_start_up_is_not
             if info.real:
                 pids.update(pid.tolist())
                 fetch_times.append(info.fetch_seconds)
+    loader.close()
     assert len(pids) == 1, "one persistent worker process for the whole fit"
     # The first batch after each (re)start of the workers' stream is not a step's data loading.
     assert fetch_times.count(None) == 4 and all(t is None or t >= 0.0 for t in fetch_times)
@@ -140,3 +142,25 @@ def test_accumulation_change_resizes_units():
     assert (loader.total_units, len(loader)) == (3, 12)
     with pytest.raises(ValueError, match="fewer than one optimizer step"):
         loader.set_batches_per_slot(16)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_close_lets_the_workers_exit_at_once(persistent: bool):
+    import multiprocessing
+
+    user = DataLoader(_WorkerTagged(), batch_size=4, drop_last=True, num_workers=2, persistent_workers=persistent)
+    loader = LoadBalancedLoader(user, rank=0, world_size=2, shuffle=True, seed=3)
+    slots = planned_slots(LOCAL_STEPS, loader.total_units)
+    loader.start_epoch(EpochPlan(2, loader.total_units, slots, LOCAL_STEPS), 1, None)
+    before = set(multiprocessing.active_children())
+    iterator = iter(loader)
+    for _ in range(3):  # an epoch left part-way, as a stop or max_steps leaves it
+        next(iterator)
+        loader.take_slot()
+    workers = set(multiprocessing.active_children()) - before
+    assert len(workers) == 2, "the inner loader's workers are running"
+    del iterator
+    loader.close()
+    assert not any(w.is_alive() for w in workers), "closed: no worker left for a garbage collection to wait on"
+    again = iter(loader)  # and it still serves an epoch
+    assert next(again) is not None and loader.take_slot().real
