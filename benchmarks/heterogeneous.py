@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 from benchmarks.tables import markdown_table
@@ -153,30 +154,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(job: list[str], nodes: int, env: dict[str, str], sink: int | None) -> int:
+def _launch(job: list[str], nodes: int, env: dict[str, str], log: Path | None) -> int:
     """Run ``job`` (train_job's arguments) to its end: through Lightning's launcher, or as ``nodes`` torchrun agents
-    on loopback (one per emulated node, as a cluster starts them). Returns the first non-zero exit code, else 0."""
-    if nodes == 1:
-        done = subprocess.run(job, timeout=900, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
-        return done.returncode
-    port, per_node = _free_port(), int(job[job.index("--devices") + 1])
-    agents = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}"]
-            + [f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}", *job[1:]],
-            env=env,
-            stdout=subprocess.DEVNULL if sink == subprocess.PIPE else sink,  # a pipe nobody reads would fill up
-            stderr=subprocess.STDOUT,
-        )
-        for node in range(nodes)
-    ]
-    try:
-        codes = [agent.wait(timeout=900) for agent in agents]
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-    return next((c for c in codes if c), 0)
+    on loopback (one per emulated node, as a cluster starts them). Output goes to ``log`` (``None``: this terminal).
+    Returns the first non-zero exit code, else 0."""
+    with open(log, "w") if log is not None else nullcontext() as sink:
+        if nodes == 1:
+            return subprocess.run(job, timeout=900, env=env, stdout=sink, stderr=subprocess.STDOUT).returncode
+        port, per_node = _free_port(), int(job[job.index("--devices") + 1])
+        agents = [
+            subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}"]
+                + [f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}", *job[1:]],
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+            for node in range(nodes)
+        ]
+        try:
+            codes = [agent.wait(timeout=900) for agent in agents]
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    agent.kill()
+        return next((c for c in codes if c), 0)
 
 
 def run(args: list[str], epochs: int, slowdown: str, show: bool = False, nodes: int = 1) -> dict:
@@ -193,15 +195,16 @@ def run(args: list[str], epochs: int, slowdown: str, show: bool = False, nodes: 
         leaked = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
         env = {k: v for k, v in os.environ.items() if k not in leaked}
         env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-        sink = None if show else subprocess.PIPE
+        log = None if show else Path(tmp) / "run.log"
         for attempt in (1, 2):
-            code = _launch(cmd, nodes, env, sink)
+            code = _launch(cmd, nodes, env, log)
             if code == 0 or out.exists():
                 # A run that wrote its result and then died (a process group's teardown at exit) still counts.
                 if code != 0:
                     print(f"  (exit code {code} after writing its result: kept)", flush=True)
                 return json.loads(out.read_text())
-            print(f"  run failed (exit code {code}, attempt {attempt} of 2)", flush=True)
+            tail = log.read_text()[-2000:] if log is not None else ""
+            print(f"  run failed (exit code {code}, attempt {attempt} of 2):\n{tail}", flush=True)
         raise RuntimeError(f"{' '.join(cmd)} failed twice")
 
 
