@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-# sklearn.datasets at collection: imported later in the session, after a test whose DataLoader workers installed
-# torch's SIGCHLD handler, its import takes about 30 s here.
 pytest.importorskip("sklearn.datasets")
 _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
