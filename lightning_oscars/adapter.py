@@ -44,11 +44,13 @@ import inspect  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 from collections.abc import Callable, Iterable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver  # noqa: E402
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper  # noqa: E402
 from lightning.pytorch import LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import (  # noqa: E402
@@ -101,8 +103,24 @@ class LightningAdapter:
         if threading.current_thread() is threading.main_thread():
             self._install_signal_handlers(trainer, on_sigterm, on_requeue)
 
+    def defer_zombie_guard(self, grace_s: float) -> None:
+        """Under Lightning's own launcher, rank 0 watches the other ranks' processes (a private thread) and SIGKILLs
+        every rank within 5 s of one dying. The survivors then have no time to save their state for a restart
+        (``recovery.py``): the kill waits ``grace_s`` (a survivor's own failed collective ends it sooner). Undone by
+        :meth:`remove`."""
+        for thread in threading.enumerate():
+            if isinstance(thread, _ChildProcessObserver):
+                kill = thread._terminate_all
+
+                def terminate_after_grace(kill: Callable[[], None] = kill) -> None:
+                    time.sleep(grace_s)
+                    kill()
+
+                self._patch(thread, "_terminate_all", terminate_after_grace)
+
     def remove(self) -> None:
-        """Put back everything :meth:`install` changed (a handler someone replaced since stays theirs)."""
+        """Put back everything :meth:`install` and :meth:`defer_zombie_guard` changed (a handler someone replaced since
+        stays theirs)."""
         while self._patches:
             owner, name, had_own, original = self._patches.pop()
             if had_own:
@@ -451,6 +469,29 @@ class LightningAdapter:
         """The collective timeout a ``DDPStrategy`` was built with (its private ``_timeout``), in seconds."""
         timeout = getattr(strategy, "_timeout", None)
         return timeout.total_seconds() if timeout is not None else default
+
+    @staticmethod
+    def full_checkpoint(trainer: Trainer) -> dict[str, Any]:
+        """Everything ``trainer.save_checkpoint`` would write (model, optimizers, loops, callbacks), as a dict, on this
+        rank alone: no barrier, no write, nothing rank 0 must do (a survivor of a failed round saves it)."""
+        return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+    @staticmethod
+    def resume_from_unless_given(trainer: Trainer, path: str, given_before: float) -> None:
+        """Make this fit's restore load ``path`` when it was given no checkpoint, or one written before the time
+        ``given_before``. Lightning picks the checkpoint before the strategy's setup, with no hook to change it; the
+        connector's ``resume_start`` is replaced on the instance for one call."""
+        connector = trainer._checkpoint_connector
+        original = connector.resume_start
+
+        def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+            del connector.resume_start  # one call: the class's own method is back
+            given = checkpoint_path is not None and os.path.isfile(checkpoint_path)
+            if checkpoint_path is None or (given and os.path.getmtime(checkpoint_path) < given_before):
+                checkpoint_path = path
+            original(checkpoint_path, weights_only=weights_only)
+
+        connector.resume_start = resume_start  # type: ignore[method-assign]
 
     @staticmethod
     def sync_module_states(module: torch.nn.Module) -> None:

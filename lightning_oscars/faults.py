@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_oscars._c10d import default_store_or_none
+from lightning_oscars.rounds import RoundController
 
-__all__ = ["FailureBoard", "describe_collective_failure"]
+__all__ = ["FailureBoard", "describe_collective_failure", "name_the_failure"]
 
 _PREFIX = "oscars/fault"
 
@@ -125,3 +126,18 @@ class FailureBoard:
             self.store.set(key, value)
         except Exception:  # noqa: BLE001 - best effort: the store may be gone
             pass
+
+
+def name_the_failure(
+    rounds: RoundController, world_size: int, rank: int, error: BaseException, round_index: int, what: str
+) -> str:
+    """What a survivor of a broken collective (``what``, in round ``round_index``) says: the failed ranks named from
+    the notes in the rendezvous store when it is reachable, and, with replica groups, where they sit."""
+    board = FailureBoard.from_default_group(world_size)
+    if board is not None:
+        message = board.explain(rank, round_index, error, what=what)
+    else:
+        cause = f"{type(error).__name__}: {error}"
+        message = describe_collective_failure(rank, world_size, round_index, {}, [rank], cause, what=what)
+    k = rounds.replica_size  # with replica groups: where the ranks named sit
+    return message + (f" (rank r is in replica r // {k}; this one in replica {rounds.rank})" if k > 1 else "")

@@ -55,6 +55,9 @@ _NOT_SERVED = {
     "replica_size": "a paradigm's ranks exchange after every step on their own; replica groups are for oscars and"
     " local_sgd",
     "replica_spans_nodes": "it configures replica_size, which a paradigm does not take",
+    "recovery": "a paradigm's ranks exchange within rounds, so the survivors of a failed round are not at one point"
+    " of it yet: it stops as before; resume from a checkpoint",
+    "recovery_dir": "it configures recovery, which a paradigm does not take",
 }
 # Options the parameter-server paradigms cannot serve on top of those.
 _NOT_SERVED_ON_THE_SERVER = {
@@ -115,6 +118,7 @@ class StepSyncStrategy(OscarsStrategy):
             max_local_steps=max_local_steps,
             timed_warmup=timed_warmup,
             deadline_rounds=True,
+            recovery=False,
             seed=seed,
             monitor=monitor,
             timeout=timeout,

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_oscars.continuation import EpochContinuation
 from lightning_oscars.quotas import max_epoch_slots, planned_slots, round_quotas, split_proportionally
 from lightning_oscars.reservations import (
     deadline_epoch_slots,
@@ -163,6 +164,7 @@ class EpochPlan:
         reserve: Sequence[int] | None = None,
         warmup_reserve: Sequence[int] | None = None,
         boundaries: Callable[[int], Sequence[int]] | None = None,
+        continuation: EpochContinuation | None = None,
     ) -> None:
         for name, given in (("local_steps", local_steps), ("reserve", reserve), ("warmup_reserve", warmup_reserve)):
             if given is not None and len(given) != world_size:
@@ -179,10 +181,21 @@ class EpochPlan:
         # epoch slots -> the slots where the epoch averages anyway (validation): plain rounds end there. A hint: a
         # wrong one only makes those averagings cut a round, as without it.
         self.boundaries = boundaries
-        self._rounds = plan_rounds(
+        # After a failed round (``continuation.py``): the slots already run are one finished round that trained the
+        # consumed units, and the rounds from there on take the rest.
+        done = continuation.slots if continuation is not None else 0
+        first_unit = continuation.consumed if continuation is not None else 0
+        if continuation is not None:
+            if len(continuation.order) != total_units or done > total_slots:
+                raise ValueError(f"a continuation of {len(continuation.order)} units, {done} slots does not fit")
+            self.order = list(continuation.order)
+        self._rounds = [Round(0, done, (first_unit,) + (0,) * (world_size - 1), 0)] if done else []
+        self._rounds += plan_rounds(
             local_steps,
             total_units,
             total_slots,
+            start_slot=done,
+            first_unit=first_unit,
             reserve=reserve,
             warmup_reserve=warmup_reserve,
             boundaries=self.boundary_slots(),

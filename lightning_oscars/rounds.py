@@ -19,23 +19,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning_oscars.continuation import EpochContinuation
 from lightning_oscars.control import Contribution, ControlData, RankReport, RoundRecord
 from lightning_oscars.deadline import DeadlinePacer, DeadlineRound, quantile_step
 from lightning_oscars.deadline_planner import DeadlinePlanner
 from lightning_oscars.ledger import MEDIAN_ERROR, RoundLedger, RoundOutcome, step_jitter
 from lightning_oscars.partition import EpochPlan
 from lightning_oscars.policy import SchedulePolicy
-from lightning_oscars.slots import SlotInfo
+from lightning_oscars.slots import SlotInfo, ends_slot
 from lightning_oscars.timing import LapClock, StepTimeEstimator, WallClock
 from lightning_oscars.warmup import WarmupGate
 
-__all__ = ["RoundController", "RoundOutcome", "ends_slot"]
-
-
-def ends_slot(batch_idx: int, batches_per_slot: int, epoch_batches: float) -> bool:
-    """Whether batch ``batch_idx`` of the epoch is the last of its slot (a slot is ``batches_per_slot`` batches,
-    the epoch's last one possibly fewer)."""
-    return (batch_idx + 1) % batches_per_slot == 0 or batch_idx + 1 >= epoch_batches
+__all__ = ["RoundController", "RoundOutcome"]
 
 
 class RoundController:
@@ -80,6 +75,7 @@ class RoundController:
         self.ledger = RoundLedger(world_size, rank, now)
         self.plan: EpochPlan | None = None
         self.planned_epoch = -1
+        self.continuation: EpochContinuation | None = None  # where an epoch goes on after a failed round
         self._slot_bound: int | None = None  # the loader's length: an epoch re-sized mid-way never outgrows it
         self.slot = SlotInfo(True, 0)
         self.failed = False  # this rank raised or its all-reduce broke: skip every further collective
@@ -88,17 +84,15 @@ class RoundController:
         self._replan_pending = False
         self._round_units = 0  # units this rank trained in the current round (across extra averagings)
         self._deadlines = DeadlinePlanner()
-        # The most local steps a rank may take beyond the fewest (``None``: any). A scheme whose rule bounds the
-        # lead sets it (0 under BSP: one step per clock for everybody), so that no round's plan gives a rank steps
-        # it could only take by running past the bound; in a plain round (the warm-up, an epoch's tail) the
-        # quotas are all the rank trains, not handed back.
+        # The most local steps a rank may take beyond the fewest (``None``: any). A scheme whose rule bounds the lead
+        # sets it (0 under BSP: one step per clock for all), so that no round's plan gives a rank steps it could only
+        # take by running past the bound; in a plain round (warm-up, an epoch's tail) nothing is handed back.
         self.step_spread: int | None = None
         self._reset_round()
 
     def _reset_round(self) -> None:
         self._chained = False  # the next real step's interval starts at its own start (see begin_slot)
-        self._slots_since_average = 0
-        self._round_samples = 0
+        self._slots_since_average = self._round_samples = 0
         self._slot_laps: list[tuple[int, float]] = []
 
     # ------------------------------------------------------------------ fit and epochs
@@ -179,7 +173,10 @@ class RoundController:
         plan = self.plan
         self._slot_bound = bound
         if plan is None or self.planned_epoch != epoch or plan.total_units != total_units:
-            total_slots, self._upper_bound = self.policy.epoch_slots(total_units, bound)
+            done, self.continuation = self.continuation, None  # after a failed round: for its epoch only
+            done = done if done is not None and done.fits(epoch, total_units) else None
+            left, self._upper_bound = self.policy.epoch_slots(*(done.left(bound) if done else (total_units, bound)))
+            total_slots = left + (done.slots if done else 0)
             deadline_slots = self._deadline_slots(total_units)
             if deadline_slots is not None:
                 total_slots = min(bound, deadline_slots)
@@ -196,6 +193,7 @@ class RoundController:
                 self.reserve,
                 warmup_reserve=warmup,
                 boundaries=boundaries,
+                continuation=done,
             )
             self.planned_epoch = epoch
             self._round_units = 0
@@ -346,8 +344,9 @@ class RoundController:
         plan = self.plan
         if plan is None:
             return False
-        if next_slot is None:  # an extra averaging inside a round: remember how far each rank got (checkpoints)
-            plan.progress = trained
+        # How far each rank got in the round at an extra averaging inside it (checkpoints, recovery); none at its end.
+        plan.progress = trained if next_slot is None else (0,) * self.world_size
+        if next_slot is None:
             return False
         if 0 < next_slot <= plan.total_slots:
             ended = plan.round_at(next_slot - 1)
@@ -382,6 +381,7 @@ class RoundController:
             "estimate": estimate[self.rank] if len(estimate) > self.rank and estimate[self.rank] > 0 else None,
             "plan_epoch": self.planned_epoch,
             "plan": None if self.plan is None else self.plan.state_dict(),
+            "round_units": self._round_units,  # trained in the round so far (a survivor's state after a failure)
         }
 
     def load_state_dict(self, state: dict[str, Any] | None, total_units: int | None) -> EpochPlan | None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -32,14 +31,16 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_oscars.adapter import LightningAdapter, unwrap_sampler
+from lightning_oscars.agreement import MetricAgreement
 from lightning_oscars.averaging import agree_on_layout, averaged_tensors, optimizer_state_layout
 from lightning_oscars.callbacks import append_round_callbacks, insert_round_callbacks, without_callbacks
 from lightning_oscars.control import ControlData
-from lightning_oscars.epoch_metrics import StepValueAgreement, align_epoch_metrics, module_metric
-from lightning_oscars.faults import FailureBoard, describe_collective_failure
+from lightning_oscars.faults import FailureBoard, name_the_failure
 from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, training_set_size
-from lightning_oscars.rounds import RoundController, ends_slot
+from lightning_oscars.recovery import RECOVERY_GRACE_S, FitRecovery
+from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import RoundMeeting, SyncScheme
+from lightning_oscars.slots import ends_slot
 
 __all__ = ["FitSession"]
 
@@ -56,6 +57,7 @@ class FitSession:
         average_optimizer_state: also average the optimizer state every rank holds.
         restored: the ``"oscars"`` entry of the checkpoint the fit resumes from.
         on_training_end: called after the end of training's averaging (the strategy hands a tuner's loop run back).
+        recovery: what the fit saves when a round fails, and the recovery point it resumes from (``recovery.py``).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class FitSession:
         average_optimizer_state: bool = False,
         restored: dict[str, Any] | None = None,
         on_training_end: Callable[[], None] | None = None,
+        recovery: FitRecovery | None = None,
     ) -> None:
         self.strategy = strategy
         self.scheme = scheme
@@ -78,9 +81,10 @@ class FitSession:
         self.average_optimizer_state = average_optimizer_state
         self.restored = restored
         self.on_training_end = on_training_end
+        self.recovery = recovery
         self.adapter = LightningAdapter(self.slot_is_real, strategy.root_device)
         self.loader: LoadBalancedLoader | None = None
-        self.step_values = StepValueAgreement()
+        self.agreement = MetricAgreement(strategy)
         self.ended = False
         scheme.shape_rounds(rounds)
         self._trainer: Trainer | None = None
@@ -165,6 +169,8 @@ class FitSession:
                 " Save by steps (every_n_train_steps) or at validation, or use strategy='oscars'."
             )
         self.adapter.install(trainer, self._on_sigterm, self.rounds.ledger.request_requeue)
+        if self.recovery is not None:  # a rank's death must leave the survivors time to save
+            self.adapter.defer_zombie_guard(RECOVERY_GRACE_S)
         restored, self.restored = self.restored, None
         module = self.strategy.lightning_module
         assert module is not None
@@ -172,11 +178,15 @@ class FitSession:
         self.scheme.load_state_dict((restored or {}).get("scheme"))
         loader = self.loader
         units = loader.units_within(trainer.limit_train_batches) if loader else None
-        plan = self.rounds.load_state_dict(restored, units)
+        position = LightningAdapter.resume_position(trainer)
+        recovery = self.recovery if restored is not None and "recovery" in restored else None
+        plan = None if recovery is not None else self.rounds.load_state_dict(restored, units)
         if plan is not None and loader is not None:
             # A plan checkpointed under a looser bound (an older release) must still fit in the loader.
             self._bound_epoch(loader, at_least=max(loader.max_slots, plan.total_slots))
-        position = LightningAdapter.resume_position(trainer)
+        if recovery is not None and restored is not None:  # a new world: fresh schedule, the survivors merged
+            recovery.resume(self.rounds, loader, restored, trainer.current_epoch, position, units)
+            recovery.merge(self._synchronized_tensors(trainer), self.strategy.root_device)
         if position is not None:
             self.prepare_epoch(trainer, resume_at=position)
 
@@ -211,8 +221,8 @@ class FitSession:
         if isinstance(trainer.limit_train_batches, float):
             LightningAdapter.lift_batch_limit(trainer)
         plan = self.rounds.plan_epoch(epoch, units, loader.max_slots, boundaries)
-        order = None
-        if loader.order.shared:
+        order = self.recovery.order_for(epoch) if self.recovery is not None else None
+        if order is None and loader.order.shared:
             # A custom sampler's draw depends on its random state, which differs between ranks: rank 0 draws the
             # epoch and every rank partitions that same draw (one collective per epoch, at its start, on all ranks).
             mine = loader.order.draw(epoch) if self.strategy.global_rank == 0 else None
@@ -244,12 +254,14 @@ class FitSession:
                 # state dict, where the averaging would otherwise happen: a peer waiting for this rank inside the
                 # round would never reach them. Averaging first releases it.
                 self.average_if_pending()
-            self.agree_step_values(trainer)  # its top-k and file name may read a step value
+            self.agreement.agree_step_values(
+                trainer, self.rounds.failed
+            )  # its top-k and file name may read a step value
         self.adapter.pace_validation(trainer, batch_idx)
 
     def end_epoch(self, trainer: Trainer) -> None:
         """The training epoch ended: align its metrics, then average if anything is pending."""
-        self.align_epoch_metrics(trainer)
+        self.agreement.align_epoch_metrics(trainer, self.rounds.failed)
         self.average_if_pending()
 
     def start_validation(self, trainer: Trainer) -> None:
@@ -257,7 +269,7 @@ class FitSession:
         self.average_if_pending()
         if not trainer.sanity_checking:
             # ModelCheckpoint / EarlyStopping at the validation's end may monitor a training step value
-            self.agree_step_values(trainer)
+            self.agreement.agree_step_values(trainer, self.rounds.failed)
         self._validation_started = time.perf_counter()
 
     def end_validation(self, trainer: Trainer) -> None:
@@ -268,6 +280,8 @@ class FitSession:
     def end_training(self, trainer: Trainer) -> None:
         """Training ended: what the fit returns (and the last checkpoint holds) is one model."""
         self.average_if_pending()
+        if self.recovery is not None:
+            self.recovery.fit_ended()
         if self.on_training_end is not None:
             self.on_training_end()
 
@@ -279,42 +293,6 @@ class FitSession:
         if self.fitting(trainer) and (rounds.needs_average or not (self.scheme.settled or rounds.failed)):
             assert trainer is not None
             self.average(trainer, next_slot=None)
-
-    def align_epoch_metrics(self, trainer: Trainer) -> None:
-        """Match the epoch-end ``sync_dist`` reductions and self-synchronising metrics across ranks (see
-        ``epoch_metrics.py``) and agree on the step values callbacks read at the epoch end: one small collective at
-        every training epoch end, on every rank."""
-        s = self.strategy
-        results = LightningAdapter.epoch_results(trainer)
-        if self.rounds.failed or results is None:
-            return
-        steps: list[dict[str, tuple[str, float]]] = []
-
-        def gather(keys: dict[str, dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
-            everyone = self._gather_objects((keys, self.step_values.step_values(results)))
-            steps.extend(step for _, step in everyone)
-            return [keys for keys, _ in everyone]
-
-        module = s.lightning_module
-        assert module is not None
-        align_epoch_metrics(results, gather, s.reduce, s.root_device, partial(module_metric, module))
-        self.step_values.agree(results, steps, LightningAdapter.callback_metric_store(trainer))
-
-    def agree_step_values(self, trainer: Trainer) -> None:
-        """Give callbacks about to decide on step values (a validation's, a checkpoint's) one figure on every rank.
-        Collective: call it where every rank is (a validation's start, a batch where a checkpoint is due)."""
-        if self.rounds.failed:
-            return
-        results = LightningAdapter.training_results(trainer)
-        if results is None:
-            return
-        everyone = self._gather_objects(self.step_values.step_values(results))
-        self.step_values.agree(results, everyone, LightningAdapter.callback_metric_store(trainer))
-
-    def _gather_objects(self, mine: Any) -> list[Any]:
-        everyone: list[Any] = [None] * self.strategy.world_size
-        torch.distributed.all_gather_object(everyone, mine)
-        return everyone
 
     def average(self, trainer: Trainer, next_slot: int | None) -> None:
         """The round's one collective: combine the models and the control data, then act on the outcome."""
@@ -331,8 +309,11 @@ class FitSession:
             late = next_slot is not None and rounds.may_combine_late(next_slot)
             (self.scheme.combine_late if late else self.scheme.combine)(tensors, meeting)
             summed = meeting.summed()
-        except Exception as error:  # a peer died, raised or hung past the timeout: name it, then stop
-            raise RuntimeError(self._collective_failure(error)) from error
+        except Exception as error:  # a peer died, raised or hung past the timeout: name it, save, then stop
+            message = self._collective_failure(error)
+            raise RuntimeError(message + self._save_for_recovery(trainer)) from error
+        if self.recovery is not None:
+            self.recovery.averaged()
         outcome = rounds.absorb(
             ControlData.decode(summed, n),
             allreduce_s=time.perf_counter() - started,
@@ -374,16 +355,17 @@ class FitSession:
 
     def _collective_failure(self, error: BaseException, what: str = "the averaging all-reduce") -> str:
         self.rounds.failed = True
-        n, rank = self.strategy.world_size, self.strategy.global_rank
-        board = FailureBoard.from_default_group(n)
-        round_index = self.rounds.num_averagings + 1
-        if board is not None:
-            message = board.explain(rank, round_index, error, what=what)
-        else:
-            cause = f"{type(error).__name__}: {error}"
-            message = describe_collective_failure(rank, n, round_index, {}, [rank], cause, what=what)
-        k = self.rounds.replica_size  # with replica groups: where the ranks named sit
-        return message + (f" (rank r is in replica r // {k}; this one in replica {self.rounds.rank})" if k > 1 else "")
+        s = self.strategy
+        return name_the_failure(self.rounds, s.world_size, s.global_rank, error, self.rounds.num_averagings + 1, what)
+
+    def _save_for_recovery(self, trainer: Trainer) -> str:
+        """This survivor's state for a restart (``recovery.py``); what to add to the failure's message."""
+        try:
+            recovery = self.recovery
+            saved = recovery.save(self.rounds, self.scheme, self.loader, trainer) if recovery is not None else None
+        except Exception as error:  # noqa: BLE001 - the failure being reported matters more than this one
+            return f"\nSaving this rank's state for a restart failed too: {type(error).__name__}: {error}"
+        return "" if saved is None else f"\nThis rank's state is saved in {saved}: a restarted fit resumes from it."
 
     def report_failure(self, error: BaseException) -> None:
         """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""

@@ -17,7 +17,13 @@ from lightning_oscars.deadline import DeadlinePacer
 from lightning_oscars.partition import EpochPlan, Round
 from lightning_oscars.warmup import WarmupGate
 
-__all__ = ["SlotCursor", "SlotInfo", "SlotOwner"]
+__all__ = ["SlotCursor", "SlotInfo", "SlotOwner", "ends_slot"]
+
+
+def ends_slot(batch_idx: int, batches_per_slot: int, epoch_batches: float) -> bool:
+    """Whether batch ``batch_idx`` of the epoch is the last of its slot (a slot is ``batches_per_slot`` batches,
+    the epoch's last one possibly fewer)."""
+    return (batch_idx + 1) % batches_per_slot == 0 or batch_idx + 1 >= epoch_batches
 
 
 @dataclass(frozen=True)

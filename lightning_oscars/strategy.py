@@ -30,6 +30,8 @@ from lightning_oscars.collectives import LocalStepCollectives
 from lightning_oscars.control import RoundRecord
 from lightning_oscars.loader import empty_batch
 from lightning_oscars.policy import SchedulePolicy, Solver
+from lightning_oscars.recovery import FitRecovery, find_recovery_point, recovery_store
+from lightning_oscars.recovery_points import RecoveryPoint
 from lightning_oscars.replicas import ReplicaLayout
 from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import ModelAveraging, SyncScheme
@@ -59,17 +61,15 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
             ``"uniform"`` (fixed-period local SGD: every rank takes ``max_local_steps`` steps per round).
         averaging: ``"uniform"`` (the paper's Eq. 4: plain mean) or ``"samples"`` (weighted by the samples
             each rank trained on in the round).
-        average_optimizer_state: also average the optimizers' per-parameter state (momentum, Adam moments);
-            by default it stays local.
+        average_optimizer_state: also average the optimizers' state (momentum, Adam moments); by default it is local.
         max_spread: ``M``: the local steps of the fastest and slowest rank differ by less than this.
         max_local_steps: no rank takes more than this many local steps per round.
         efficiency_tolerance: the exact solver picks the shortest round whose predicted throughput is within
             this fraction of the best.
         warmup_steps: local steps every rank takes in the first round, which is spent measuring step times;
             shortened to ``max_steps`` when the run is shorter (``fast_dev_run`` included).
-        timed_warmup: time-box the first round: it lasts until the slowest rank has taken its ``warmup_steps``,
-            and faster ranks keep training meanwhile instead of waiting (``lightning_oscars.warmup``). ``False``:
-            every rank takes exactly ``warmup_steps``.
+        timed_warmup: time-box the first round: faster ranks train until the slowest has taken its ``warmup_steps``
+            (``lightning_oscars.warmup``). ``False``: every rank takes exactly ``warmup_steps``.
         rebalance_threshold: re-solve when a rank's smoothed step time moved by more than this fraction from
             the times the schedule was solved for.
         min_gain: adopt a re-solved schedule only if it is predicted to be this fraction faster (hysteresis).
@@ -80,18 +80,20 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         local_steps: pin every rank's local steps per round (no profiling, no solving).
         seed: seed of the per-epoch shuffle of the training data; by default the seed of the sampler Lightning
             injects, which follows ``seed_everything`` (``PL_GLOBAL_SEED``), else 0.
-        monitor: add a :class:`~lightning_oscars.ScheduleMonitor` (per-round metrics to the loggers, ``tau`` in
-            the progress bar, a summary at the end of fit) unless the trainer already has one.
+        monitor: add a :class:`~lightning_oscars.ScheduleMonitor` (per-round metrics, ``tau`` in the progress bar, a
+            summary at the end of fit) unless the trainer already has one.
         outer_lr: ``None`` (default): plain averaging. A number: after averaging, an outer Nesterov-SGD step of
             this learning rate on the averaged pseudo-gradient (DiLoCo: 0.7; see ``lightning_oscars.outer``).
         outer_momentum: the outer step's momentum (DiLoCo: 0.9).
         overlap_averaging: post a round's model all-reduce and train the next round meanwhile; its mean is applied
-            at the next round's end as ``x += mean - sent`` (see ``lightning_oscars.overlap``). Models are averaged
-            at once where Lightning needs them equal (validation, checkpoints, epoch ends). Costs one more copy of
-            the averaged tensors. Not with ``outer_lr``.
+            at the next round's end as ``x += mean - sent`` (``lightning_oscars.overlap``; one more copy of the
+            averaged tensors; models still equal at validation, checkpoints and epoch ends). Not with ``outer_lr``.
         replica_size: ranks that train as one replica, data parallel under ``DistributedDataParallel`` while the
             rounds balance the replicas (``replicas.py``): ``1``, ``k`` consecutive ranks, or ``"node"``.
         replica_spans_nodes: allow a replica whose ranks lie on different nodes (by default an error).
+        recovery: when a round's averaging fails (a rank died), every survivor saves its state, and a restarted fit
+            resumes from it by itself, losing only the lost ranks' share of that round (``docs/fault-tolerance.md``).
+        recovery_dir: where (default ``<default_root_dir>/oscars-recovery``; a file system every node sees).
         timeout: collective timeout (default 10 minutes): a hung rank is reported after at most this long; a
             rank that dies or raises is reported at once. Raise it if saving a checkpoint can take longer.
         start_method: how Lightning starts the ranks (as for ``ddp``): ``"popen"`` re-runs the script.
@@ -140,6 +142,8 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         overlap_averaging: bool = False,
         replica_size: int | Literal["node"] = 1,
         replica_spans_nodes: bool = False,
+        recovery: bool = True,
+        recovery_dir: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
@@ -150,8 +154,7 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         precision_plugin: Precision | None = None,
         **ddp_wrapper_kwargs: Any,
     ) -> None:
-        # Not forwarded to DDPStrategy: they configure a wrapper oscars does not use, and forwarding would make
-        # LightningCLI list every DistributedDataParallel argument among this strategy's options.
+        # Not forwarded to DDPStrategy (LightningCLI would list every DistributedDataParallel argument as ours).
         check_ddp_wrapper_options(ddp_wrapper_kwargs, rank_zero_warn, DDP_WRAPPER_OPTIONS, replica_size != 1)
         DDPStrategy.__init__(
             self,
@@ -164,19 +167,18 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
             start_method=start_method,
             process_group_backend=process_group_backend,
         )
-        # The options as the signature above declares them, validated once.
-        self._set_options({name: value for name, value in locals().items() if name in OPTION_NAMES})
+        self._set_options({name: value for name, value in locals().items() if name in OPTION_NAMES})  # validated once
         self.make_scheme()  # a bad combination of options fails here, not at the first fit
         self._session: FitSession | None = None  # the fit in progress (or a tuner's loop run inside it)
         self._fit_session: FitSession | None = None  # the fit's own session while a tuner's loop run has its own
         self._last_session: FitSession | None = None  # the last fit's, for its records
         self._noop_batch: Any = None
-        self._in_local_step = False
+        self._in_local_step = self._checkpoint_written = False  # the latter: a checkpoint write's barrier is next
         self._restored: dict[str, Any] | None = None
-        self._checkpoint_written = False  # a checkpoint write's barrier is next
         self._replica_wrapper_options = dict(ddp_wrapper_kwargs)  # what each replica's DDP wrapper gets
         self._layout = ReplicaLayout(1)  # resolved once the ranks are known (setup_distributed)
         self._replica_group: Any = None
+        self._recovery_point: RecoveryPoint | None = None  # found by setup_distributed, for the fit about to start
 
     @classmethod
     @override
@@ -195,8 +197,8 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
 
     @property
     def is_active(self) -> bool:
-        """Local SGD is on: fitting with more than one rank."""
-        return self.world_size > 1
+        """Local SGD is on: fitting with more than one rank, or resuming the survivors of a failed round."""
+        return self.world_size > 1 or self._recovery_point is not None
 
     @property
     def slot_is_real(self) -> bool:
@@ -260,6 +262,8 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         )
         place = (self.world_size, self.global_rank, self.node_rank, timeout)
         self._layout, self._replica_group = replica_groups(self.replica_size, self.replica_spans_nodes, *place)
+        # A restart after a failed round finds the survivors' states (a collective: every rank asks).
+        self._recovery_point = find_recovery_point(self, LightningAdapter.trainer_of(self.lightning_module))
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -289,26 +293,15 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         )
         rounds.begin_fit(trainer.max_steps)
         restored, self._restored = self._restored, None
-        self._session = self._make_session(scheme, rounds, restored)
+        store = recovery_store(trainer, self.recovery_dir) if self.recovery else None
+        recovery = FitRecovery(store, self._recovery_point, self.global_rank) if store is not None else None
+        self._session = self._make_session(scheme, rounds, restored=restored, recovery=recovery)
         self._session.begin(trainer, monitor=self.monitor)
 
-    def _make_session(
-        self,
-        scheme: SyncScheme,
-        rounds: RoundController,
-        restored: dict[str, Any] | None = None,
-        on_training_end: Any = None,
-    ) -> FitSession:
-        return FitSession(
-            self,
-            scheme,
-            rounds,
-            name=self.strategy_name,
-            seed=self.seed,
-            average_optimizer_state=self.average_optimizer_state,
-            restored=restored,
-            on_training_end=on_training_end,
-        )
+    def _make_session(self, scheme: SyncScheme, rounds: RoundController, **kwargs: Any) -> FitSession:
+        """A fit session of this strategy (``kwargs``: ``restored``, ``on_training_end``, ``recovery``)."""
+        mine: dict[str, Any] = {"seed": self.seed, "average_optimizer_state": self.average_optimizer_state}
+        return FitSession(self, scheme, rounds, name=self.strategy_name, **mine, **kwargs)
 
     @override
     def on_train_start(self) -> None:

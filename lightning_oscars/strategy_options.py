@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -43,6 +44,8 @@ OPTION_NAMES = (
     "overlap_averaging",
     "replica_size",
     "replica_spans_nodes",
+    "recovery",
+    "recovery_dir",
 )
 # Options the schedule policy validates and keeps: option name -> the policy's argument.
 _POLICY_ARGS = {
@@ -56,6 +59,12 @@ _POLICY_ARGS = {
     "step_times": "step_times",
     "local_steps": "local_steps",
 }
+
+
+def _path_or_none(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{name} must be a path or None, got {value!r}")
+    return None if value is None else os.fspath(value)
 
 
 class OscarsOptions:
@@ -82,6 +91,8 @@ class OscarsOptions:
     overlap_averaging: bool
     replica_size: int | str
     replica_spans_nodes: bool
+    recovery: bool
+    recovery_dir: str | None
 
     def _set_options(self, options: Mapping[str, Any]) -> None:
         """Validate and keep the strategy's own options (``options``: every name of :data:`OPTION_NAMES`, as the
@@ -96,7 +107,7 @@ class OscarsOptions:
         seed = o["seed"]
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer or None, got {seed!r}")
-        for name in ("deadline_rounds", "timed_warmup", "overlap_averaging", "replica_spans_nodes"):
+        for name in ("deadline_rounds", "timed_warmup", "overlap_averaging", "replica_spans_nodes", "recovery"):
             if not isinstance(o[name], bool):
                 raise ValueError(f"{name} must be True or False, got {o[name]!r}")
         if o["overlap_averaging"] and o["outer_lr"] is not None:
@@ -141,6 +152,7 @@ class OscarsOptions:
         self.overlap_averaging = o["overlap_averaging"]
         self.replica_size = replica_size
         self.replica_spans_nodes = o["replica_spans_nodes"]
+        self.recovery, self.recovery_dir = o["recovery"], _path_or_none("recovery_dir", o["recovery_dir"])
 
     def make_scheme(self) -> SyncScheme:
         """The synchronisation scheme of a fit (override to plug in another; see ``schemes.py``): model averaging,

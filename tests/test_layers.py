@@ -25,6 +25,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_oscars"
 
 CORE = {
+    "continuation",
     "control",
     "deadline",
     "deadline_planner",
@@ -35,6 +36,7 @@ CORE = {
     "partition",
     "policy",
     "quotas",
+    "recovery_points",
     "replicas",
     "reservations",
     "rounds",
@@ -51,12 +53,14 @@ DIST = {"_c10d", "averaging", "faults", "outer", "overlap", "param_server", "rip
 LIGHTNING = {
     "__init__",
     "adapter",
+    "agreement",
     "callbacks",
     "collectives",
     "epoch_metrics",
     "heterogeneity",
     "monitor",
     "paradigms",
+    "recovery",
     "session",
     "strategy",
     "strategy_options",

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import prelaunch
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -65,14 +66,24 @@ def run_case(
 def run_cases_in_pairs(cases: list[tuple[str, Path]], timeout: int = TIMEOUT) -> None:
     """Launch independent cases two at a time (four processes on two cores: their ranks mostly sleep or wait),
     each with its own timeout; results stay in each case's directory (read them with :func:`case_results`)."""
-    pending = list(cases)
-    running: list[tuple[subprocess.Popen, str, Path, float]] = []
-    while pending or running:
-        while pending and len(running) < 2:
-            case, out = pending.pop(0)
-            running.append((_start_case(case, out, timeout, None), case, out, time.monotonic() + timeout))
-        proc, case, out, deadline = running.pop(0)
-        _finish_case(proc, case, out, deadline - time.monotonic(), ())
+    run_chains([[case] for case in cases], at_once=2, timeout=timeout)
+
+
+def run_chains(chains: list[list[tuple[str, Path]]], at_once: int, timeout: int = TIMEOUT) -> None:
+    """Launch chains of cases, ``at_once`` chains at a time; a chain's cases run one after the other (a resume after
+    the run it resumes: before each next case, the last one's ``rank*.json`` become ``first_rank*.json``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run_chain(chain: list[tuple[str, Path]]) -> None:
+        for k, (case, out) in enumerate(chain):
+            if k:
+                for rank in (0, 1):
+                    (out / f"rank{rank}.json").rename(out / f"first_rank{rank}.json")
+            _finish_case(_start_case(case, out, timeout, None), case, out, timeout, ())
+
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        for done in [pool.submit(run_chain, chain) for chain in chains]:
+            done.result()  # a chain's failure (pytest.fail) is raised here
 
 
 def case_results(case: str, out: Path, ranks: tuple[int, ...] = (0, 1)) -> list[dict]:
@@ -444,18 +455,24 @@ def resumes(resumable: tuple[Path, list[dict]], tmp_path_factory: pytest.TempPat
     return dirs
 
 
-@pytest.fixture(scope="module")
-def exact_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict]]]:
+@prelaunch.background
+def _exact_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict]]]:
     """The pinned-speed runs: the reference ``exact_a``, its repeat ``exact_b`` and a run preempted by SIGTERM
     (``preempt_first``), two at a time; then ``preempt_resume`` in the preempted run's directory."""
     dirs = {case: tmp_path_factory.mktemp(case) for case in ("exact_a", "exact_b", "preempt_first")}
-    run_cases_in_pairs(list(dirs.items()))
-    runs = {case: (out, case_results(case, out)) for case, out in dirs.items()}
+    chains = [[("exact_a", dirs["exact_a"])], [("exact_b", dirs["exact_b"])]]
+    chains.insert(0, [("preempt_first", dirs["preempt_first"]), ("preempt_resume", dirs["preempt_first"])])
+    run_chains(chains, at_once=3)  # pinned speeds: the runs' schedules do not depend on how fast they go
+    runs = {case: (out, case_results(case, out)) for case, out in dirs.items() if case != "preempt_first"}
     out = dirs["preempt_first"]
-    for rank in (0, 1):
-        (out / f"rank{rank}.json").rename(out / f"first_rank{rank}.json")
-    runs["preempt_resume"] = (out, run_case("preempt_resume", out))
+    runs["preempt_first"] = (out, _renamed_results("preempt_first", out))
+    runs["preempt_resume"] = (out, case_results("preempt_resume", out))
     return runs
+
+
+@pytest.fixture(scope="module")
+def exact_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict]]]:
+    return prelaunch.result(_exact_runs, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -473,36 +490,36 @@ def _checked(results: list[dict]) -> list[dict]:
     return results
 
 
-# Mid-epoch resumes: every first run (which writes a checkpoint mid-epoch), two at a time, then every second run
-# (which resumes from it in the same directory), two at a time.
+# Mid-epoch resumes: every first run (which writes a checkpoint mid-epoch), then its second run (which resumes from it
+# in the same directory), three such chains at a time.
 MIDEPOCH = ("midepoch", "deadline_midepoch", "ripples_midepoch", "ssp_midepoch", "overlap_midepoch")
+
+
+@prelaunch.background
+def _midepoch_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict], list[dict]]]:
+    """Per name of ``MIDEPOCH``: its directory, the first run's results and the resumed run's (each resume starts as
+    soon as its first run ended, two chains at a time)."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in MIDEPOCH}
+    run_chains([[(f"{name}_first", out), (f"{name}_second", out)] for name, out in dirs.items()], at_once=3)
+    return {
+        name: (out, _renamed_results(f"{name}_first", out), case_results(f"{name}_second", out))
+        for name, out in dirs.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def midepoch_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict], list[dict]]]:
-    """Per name of ``MIDEPOCH``: its directory, the first run's results and the resumed run's."""
-    dirs = {name: tmp_path_factory.mktemp(name) for name in MIDEPOCH}
-    run_cases_in_pairs([(f"{name}_first", out) for name, out in dirs.items()])
-    firsts = {name: case_results(f"{name}_first", out) for name, out in dirs.items()}
-    for out in dirs.values():
-        for rank in (0, 1):
-            (out / f"rank{rank}.json").rename(out / f"first_rank{rank}.json")
-    run_cases_in_pairs([(f"{name}_second", out) for name, out in dirs.items()])
-    return {name: (out, firsts[name], case_results(f"{name}_second", out)) for name, out in dirs.items()}
+    return prelaunch.result(_midepoch_runs, tmp_path_factory)
 
 
-# Injected failures: the survivors mostly wait for a timeout or a peer's report, so they run two at a time.
+def _renamed_results(case: str, out: Path) -> list[dict]:
+    """The results of a chain's first run, renamed ``first_rank*.json`` when the next case started."""
+    return [json.loads((out / f"first_rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+# Injected failures and signals: the survivors mostly wait for a timeout or a peer's report, and the signalled runs
+# are short, so they share one launch pool, three runs at a time (no case asserts a speed ratio).
 FAILURES = ("raise_rank1", "hang_rank1", "kill_rank1", "ps_raise_rank1", "ripples_raise_rank1")
-
-
-@pytest.fixture(scope="module")
-def failure_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    dirs = {case: tmp_path_factory.mktemp(case) for case in FAILURES}
-    run_cases_in_pairs(list(dirs.items()))
-    return dirs
-
-
-# Signals and a refused checkpoint setting: short runs of their own, two at a time.
 SIGNALS = (
     "sigterm_rank0",
     "sigterm_rank1",
@@ -514,11 +531,26 @@ SIGNALS = (
 )
 
 
-@pytest.fixture(scope="module")
-def signal_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    dirs = {case: tmp_path_factory.mktemp(case) for case in SIGNALS}
-    run_cases_in_pairs(list(dirs.items()))
+@prelaunch.background
+def _stop_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    dirs = {case: tmp_path_factory.mktemp(case) for case in FAILURES + SIGNALS}
+    run_chains([[(case, out)] for case, out in dirs.items()], at_once=3)
     return dirs
+
+
+@pytest.fixture(scope="module")
+def stop_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return prelaunch.result(_stop_runs, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def failure_runs(stop_runs: dict[str, Path]) -> dict[str, Path]:
+    return stop_runs
+
+
+@pytest.fixture(scope="module")
+def signal_runs(stop_runs: dict[str, Path]) -> dict[str, Path]:
+    return stop_runs
 
 
 def test_checkpoint_resume(resumable, resumes):

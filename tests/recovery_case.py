@@ -1,0 +1,104 @@
+"""One fit that may lose a rank, for tests/test_recovery.py: run it again (a restart) and it goes on by itself.
+
+Usage: python tests/recovery_case.py OUT_DIR. Through Lightning's launcher (``OSCARS_TEST_DEVICES`` ranks, default 2)
+or torchrun (``OSCARS_TEST_TORCHRUN=1``). The fit trains the indexed blobs for two epochs, rank 1
+3x slower, saving nothing itself (``enable_checkpointing=False``): all it resumes from is the recovery point.
+
+* ``OSCARS_TEST_KILL=STEP``: global rank 1 kills itself with SIGKILL as global step STEP starts, once per OUT_DIR
+  (the marker ``killed-STEP``).
+* ``OSCARS_TEST_MODEL``: ``mlp`` (default) or ``batchnorm``.
+
+Every rank appends each real step's sample indices to ``OUT_DIR/trained-<pid>.jsonl`` as it trains (a killed rank's
+file keeps what it trained), and a rank whose fit ended writes ``OUT_DIR/rank<global_rank>.json``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from paradigm_models_case import IndexedModule  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from lightning_oscars import HeterogeneityEmulator, OscarsStrategy  # noqa: E402
+
+
+class RecordedModule(IndexedModule):
+    """Writes the samples of every real step to a file as it goes."""
+
+    def __init__(self, model: str, out: Path) -> None:
+        super().__init__(model)
+        self.record = open(out / f"trained-{os.getpid()}.jsonl", "a")  # noqa: SIM115 - open for the whole fit
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        line = {"epoch": self.current_epoch, "step": self.global_step, "indices": batch[2].tolist()}
+        self.record.write(json.dumps(line) + "\n")
+        self.record.flush()
+        return loss
+
+
+class KillAt(L.Callback):
+    """Global rank 1 dies (SIGKILL, no cleanup) when ``step`` starts, once per output directory."""
+
+    def __init__(self, step: int, out: Path) -> None:
+        self.step, self.marker = step, out / f"killed-{step}"
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == self.step and not self.marker.exists():
+            self.marker.write_text("")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dump_after = float(os.environ.get("OSCARS_TEST_DUMP_AFTER", "0"))
+    if dump_after > 0:  # a hang prints this rank's stacks and exits instead of waiting forever
+        faulthandler.dump_traceback_later(dump_after, exit=True)
+    L.seed_everything(0, verbose=False)
+    module = RecordedModule(os.environ.get("OSCARS_TEST_MODEL", "mlp"), out)
+    callbacks: list[L.Callback] = [HeterogeneityEmulator({1: 3.0})]
+    if "OSCARS_TEST_KILL" in os.environ:
+        callbacks.append(KillAt(int(os.environ["OSCARS_TEST_KILL"]), out))
+    torchrun = os.environ.get("OSCARS_TEST_TORCHRUN") == "1"
+    trainer = L.Trainer(
+        strategy=OscarsStrategy(timeout=__import__("datetime").timedelta(seconds=30)),
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else int(os.environ.get("OSCARS_TEST_DEVICES", "2")),
+        num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else 1,
+        max_epochs=2,
+        callbacks=callbacks,
+        default_root_dir=out,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module)
+    strategy: Any = trainer.strategy
+    result = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "weights": torch.cat([t.detach().float().reshape(-1) for t in module.state_dict().values()]).tolist(),
+        "averagings": len(strategy.history),
+        "recovery_left": sorted(p.name for p in (out / "oscars-recovery").glob("*")),
+    }
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

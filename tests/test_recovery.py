@@ -1,0 +1,113 @@
+"""Surviving a lost rank: the fit saves what the survivors have, and a restart of the same script goes on from it.
+
+``recovery_case.py`` trains two epochs with rank 1 3x slower; rank 1 is SIGKILLed mid-epoch. Launched through
+Lightning's own launcher in a restart loop (the user's script unchanged, no ``ckpt_path``). What the test asserts,
+as the promise: the fit completes, every sample of every epoch is trained at least once, the only samples trained
+twice are the dead rank's in the round it died in, the ranks end with identical weights, nothing hangs (each run has
+a hard timeout), and no recovery point is left behind once the fit ended.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import prelaunch
+import pytest
+from subproc import ROOT, clean_env, kill_group, start
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 150
+CASE = str(ROOT / "tests" / "recovery_case.py")
+SAMPLES = 64  # paradigm_models_case.SAMPLES
+RESTORED = "Restoring states from the checkpoint path at "  # Lightning's line, then the recovery point's file
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float = TIMEOUT) -> tuple[int, str]:
+    proc = start(cmd, env)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        log, _ = proc.communicate()
+        pytest.fail(f"{cmd} did not finish within {timeout}s (deadlock?)\n{log[-4000:]}")
+    kill_group(proc)  # a killed rank's orphans, if any
+    return proc.returncode, log
+
+
+def _trained(out: Path) -> dict[int, dict[int, list[int]]]:
+    """pid -> epoch -> the samples that process trained (every run's every rank)."""
+    found: dict[int, dict[int, list[int]]] = {}
+    for path in out.glob("trained-*.jsonl"):
+        pid = int(path.stem.split("-")[1])
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            found.setdefault(pid, {}).setdefault(row["epoch"], []).extend(row["indices"])
+    return found
+
+
+def _assert_recovered(out: Path, killed_pids: set[int], ranks: int) -> list[dict]:
+    """The fit's promises (module docstring); ``killed_pids``: the processes that died."""
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    for r in results:
+        assert r["epoch"] == 2 and r["recovery_left"] == [], r
+    assert len({json.dumps(r["weights"]) for r in results}) == 1, "ranks ended with different weights"
+    trained = _trained(out)
+    for epoch in (0, 1):
+        counts = collections.Counter(i for by_epoch in trained.values() for i in by_epoch.get(epoch, []))
+        assert sorted(counts) == list(range(SAMPLES)), f"epoch {epoch}: a sample was never trained"
+        twice = {i for i, n in counts.items() if n > 1}
+        lost = {i for pid in killed_pids for i in trained.get(pid, {}).get(epoch, [])}
+        assert twice <= lost, f"epoch {epoch}: samples trained twice that no dead rank had: {sorted(twice - lost)}"
+        assert max(counts.values()) <= 2
+    return results
+
+
+def _killed_pids(out: Path, before: set[int]) -> set[int]:
+    """The processes of a run that ended on a SIGKILL: the one whose file stops at the kill (rank 1's)."""
+    return {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")} - before
+
+
+@prelaunch.background
+def _restart_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, set[int]]]]:
+    """Lightning's launcher in a restart loop: 2 ranks, rank 1 killed at step 6 (the warm-up round); again 2 ranks,
+    rank 1 killed at step 20 (the second epoch: a failure right after a recovery); then 2 ranks to the end."""
+    out = tmp_path_factory.mktemp("restart_loop")
+    runs = []
+    for kill in ("6", "20", None):
+        seen = {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")}
+        env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_MODEL="batchnorm")
+        if kill is not None:
+            env["OSCARS_TEST_KILL"] = kill
+        code, log = _run([sys.executable, CASE, str(out)], env)
+        runs.append((code, log, _killed_pids(out, seen) if kill is not None else set()))
+    return out, runs
+
+
+@pytest.fixture(scope="module")
+def restart_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, set[int]]]]:
+    return prelaunch.result(_restart_loop, tmp_path_factory)
+
+
+def test_a_restart_loop_around_lightnings_launcher_goes_on_after_each_lost_rank(restart_loop):
+    out, runs = restart_loop
+    (first, log1, _), (second, log2, _), (third, log3, _) = runs
+    assert first != 0 and "This rank's state is saved in" in log1, log1[-3000:]
+    assert second != 0 and RESTORED in log2, log2[-3000:]
+    assert "This rank's state is saved in" in log2, log2[-3000:]
+    assert third == 0 and RESTORED in log3, log3[-3000:]
+    # The dead rank's processes: in each killed run, the rank-1 process (its record ends at the kill).
+    killed: set[int] = set()
+    for _, _, pids in runs[:2]:
+        last_steps = {pid: max(_steps(out, pid)) for pid in pids}
+        killed.add(min(last_steps, key=last_steps.__getitem__))  # the one that died first trained least far
+    _assert_recovered(out, killed, ranks=2)
+
+
+def _steps(out: Path, pid: int) -> list[int]:
+    lines = (out / f"trained-{pid}.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines] or [-1]
