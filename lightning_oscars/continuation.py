@@ -84,10 +84,13 @@ class EpochContinuation:
         return len(self.order) - self.consumed, max(0, bound - self.slots)
 
 
-def continue_epoch(plan: FailedPlan, epoch: int, slots: int, survivors: Sequence[Survivor]) -> EpochContinuation:
+def continue_epoch(
+    plan: FailedPlan, epoch: int, slots: int, survivors: Sequence[Survivor], averaged: bool = False
+) -> EpochContinuation:
     """What ``epoch`` (planned by ``plan``) consumed when its averaging after ``slots`` slots failed with only
     ``survivors`` left (see the module docstring). ``plan.progress`` holds what every rank had trained in the failed
-    round at the last extra averaging inside it."""
+    round at the last extra averaging inside it. ``averaged``: the averaging after ``slots`` did happen (a coordinated
+    stop there): every unit of the rounds before is consumed, and nothing of the next."""
     if not survivors:
         raise ValueError("no rank survived the failed round: there is nothing to go on from")
     trained = {s.rank: s.round_units for s in survivors}
@@ -95,7 +98,9 @@ def continue_epoch(plan: FailedPlan, epoch: int, slots: int, survivors: Sequence
         raise ValueError(f"survivors {sorted(trained)} are not distinct ranks of {plan.world_size}")
     positions: list[int] = []
     retrained: list[int] = []
-    if slots > 0:
+    if averaged:
+        positions = list(range(plan.round_at(slots).first_unit if slots < plan.total_slots else plan.total_units))
+    elif slots > 0:
         failed = plan.round_at(min(slots, plan.total_slots) - 1)
         positions = list(range(failed.first_unit))
         for rank in range(plan.world_size):

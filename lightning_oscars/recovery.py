@@ -2,8 +2,10 @@
 
 * :func:`find_recovery_point` (the strategy's ``setup_distributed``, every rank): rank 0 reads the newest complete
   recovery point and every rank learns it in one broadcast; the fit's restore is pointed at this rank's state.
-* :meth:`FitRecovery.save` (a failed averaging, on every survivor): the rank's whole state, as Lightning would
-  checkpoint it, plus the round state and the epoch's order of samples.
+* :meth:`FitRecovery.save` (a failed averaging, on every survivor; a coordinated stop such as SIGTERM, on every rank):
+  the rank's whole state, as Lightning would checkpoint it, plus the round state and the epoch's order of samples.
+  A stop's point is used only by a fit given no checkpoint (torch's elastic agent stops every rank when a node
+  joins, and restarts them in the larger world).
 * :meth:`FitRecovery.resume` and :meth:`FitRecovery.merge` (training start of the restarted fit): the epoch's plan
   continues where the failed round left it, and the survivors' models are merged in one weighted all-reduce.
 
@@ -57,8 +59,9 @@ def find_recovery_point(strategy: Any, trainer: Trainer | None) -> RecoveryPoint
     if found[0] is None:
         return None
     point = RecoveryPoint.from_json(found[0])
-    # A checkpoint the fit was given wins if written after the point: the same answer on every rank (one time).
-    written = min(os.path.getmtime(s.checkpoint) for s in point.saved)
+    # A checkpoint the fit was given wins if written after a failure's point (the same answer on every rank: one
+    # time), and always over a coordinated stop's (the user's own checkpoint of that stop is as good).
+    written = float("-inf") if point.stopped else min(os.path.getmtime(s.checkpoint) for s in point.saved)
     LightningAdapter.resume_from_unless_given(trainer, point.assigned(rank).checkpoint, given_before=written)
     rank_zero_warn(
         f"oscars: resuming from the recovery point the survivors of a failed round saved at global step"
@@ -90,7 +93,12 @@ class FitRecovery:
         return rounds.pacer is None and rounds.replica_size == 1 and not scheme.waits_within_rounds
 
     def save(
-        self, rounds: RoundController, scheme: SyncScheme, loader: LoadBalancedLoader | None, trainer: Trainer
+        self,
+        rounds: RoundController,
+        scheme: SyncScheme,
+        loader: LoadBalancedLoader | None,
+        trainer: Trainer,
+        stopped: bool = False,
     ) -> Path | None:
         """A round's averaging failed: save this survivor's state; the point's directory, or ``None`` if nothing was
         saved (nothing planned yet, a fit this does not cover, or a restarted fit that failed before its merge,
@@ -115,6 +123,7 @@ class FitRecovery:
             global_step=trainer.global_step,
             epoch=epoch,
             round_units=int(rounds_state["round_units"]),
+            stopped=stopped,
         )
 
     def resume(
@@ -137,7 +146,8 @@ class FitRecovery:
             return
         old = EpochPlan.from_state_dict(point.world_size, plan_state)
         slots = position // loader.batches_per_slot
-        rounds.continuation = continue_epoch(old, epoch, slots, point.survivors(rounds.world_size))
+        survivors = point.survivors(rounds.world_size)
+        rounds.continuation = continue_epoch(old, epoch, slots, survivors, averaged=point.stopped)
         self._order = (epoch, list(restored["recovery"]["order"]))
 
     def order_for(self, epoch: int) -> list[int] | None:

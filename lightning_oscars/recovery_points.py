@@ -70,6 +70,7 @@ class RecoveryPoint:
     epoch: int
     world_size: int
     saved: tuple[SavedRank, ...]
+    stopped: bool = False  # saved at a coordinated stop (SIGTERM), not a failure: every rank holds the same model
 
     def assigned(self, rank: int) -> SavedRank:
         """The state rank ``rank`` of the restarted world resumes from: the survivors' in turn (a world larger than
@@ -90,7 +91,7 @@ class RecoveryPoint:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RecoveryPoint:
         saved = tuple(SavedRank(**s) for s in data["saved"])
-        return cls(data["directory"], data["global_step"], data["epoch"], data["world_size"], saved)
+        return cls(data["directory"], data["global_step"], data["epoch"], data["world_size"], saved, data["stopped"])
 
 
 class RecoveryStore:
@@ -109,6 +110,7 @@ class RecoveryStore:
         global_step: int,
         epoch: int,
         round_units: int,
+        stopped: bool = False,
     ) -> Path:
         """Write one survivor's state and then its entry (each under a temporary name first); returns the point."""
         point = self.root / f"{_POINT_PREFIX}{global_step:09d}"
@@ -120,6 +122,7 @@ class RecoveryStore:
             "epoch": epoch,
             "world_size": world_size,
             "global_step": global_step,
+            "stopped": stopped,
             **asdict(SavedRank(rank, replica, round_units, str(path))),
         }
         _write_atomically(point / f"rank-{rank}.json", lambda f: f.write(json.dumps(entry).encode()))
@@ -161,16 +164,16 @@ def read_point(directory: Path) -> RecoveryPoint | None:
             entries.append(entry)
     if not entries:
         return None
-    keys = [(e["epoch"], e["world_size"], e["global_step"]) for e in entries]
-    epoch, world, step = max(set(keys), key=keys.count)
-    agreed = [e for e, key in zip(entries, keys) if key == (epoch, world, step)]
+    keys = [(e["epoch"], e["world_size"], e["global_step"], bool(e.get("stopped"))) for e in entries]
+    epoch, world, step, stopped = max(set(keys), key=keys.count)
+    agreed = [e for e, key in zip(entries, keys) if key == (epoch, world, step, stopped)]
     saved = tuple(
         sorted(
             (SavedRank(e["rank"], e["replica"], e["round_units"], e["checkpoint"]) for e in agreed),
             key=lambda s: s.rank,
         )
     )
-    return RecoveryPoint(str(directory), step, epoch, world, _distinct_replicas(saved))
+    return RecoveryPoint(str(directory), step, epoch, world, _distinct_replicas(saved), stopped)
 
 
 def _distinct_replicas(saved: Sequence[SavedRank]) -> tuple[SavedRank, ...]:

@@ -358,17 +358,20 @@ class FitSession:
         s = self.strategy
         return name_the_failure(self.rounds, s.world_size, s.global_rank, error, self.rounds.num_averagings + 1, what)
 
-    def _save_for_recovery(self, trainer: Trainer) -> str:
+    def _save_for_recovery(self, trainer: Trainer, stopped: bool = False) -> str:
         """This survivor's state for a restart (``recovery.py``); what to add to the failure's message."""
         try:
             recovery = self.recovery
-            saved = recovery.save(self.rounds, self.scheme, self.loader, trainer) if recovery is not None else None
+            saved = recovery.save(self.rounds, self.scheme, self.loader, trainer, stopped) if recovery else None
         except Exception as error:  # noqa: BLE001 - the failure being reported matters more than this one
             return f"\nSaving this rank's state for a restart failed too: {type(error).__name__}: {error}"
         return "" if saved is None else f"\nThis rank's state is saved in {saved}: a restarted fit resumes from it."
 
     def report_failure(self, error: BaseException) -> None:
         """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""
+        trainer = LightningAdapter.trainer_of(self.strategy.lightning_module)
+        if isinstance(error, SIGTERMException) and not self.rounds.failed and trainer is not None:
+            self._save_for_recovery(trainer, stopped=True)  # at a round boundary: every rank has the averaged model
         if self.rounds.failed or isinstance(error, SIGTERMException):
             # SIGTERM is a coordinated stop (all ranks, same batch): collectives stay matched.
             return

@@ -91,7 +91,8 @@ def main() -> None:
         module = ToyModule(n=256, step_cost=0.002)
         extra = [Timer(duration="00:01:00:00", interval="step"), ThroughputMonitor(batch_size_fn=lambda b: len(b[0]))]
         trainer = L.Trainer(
-            strategy=OscarsStrategy(warmup_steps=2),
+            # Every rank takes its 2 warm-up steps (a time-boxed one may leave the slow rank none on a loaded machine).
+            strategy=OscarsStrategy(warmup_steps=2, timed_warmup=False),
             accelerator="cpu",
             devices=2,
             max_epochs=1,

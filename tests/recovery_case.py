@@ -6,6 +6,8 @@ or torchrun (``OSCARS_TEST_TORCHRUN=1``). The fit trains the indexed blobs for t
 
 * ``OSCARS_TEST_KILL=STEP``: global rank 1 kills itself with SIGKILL as global step STEP starts, once per OUT_DIR
   (the marker ``killed-STEP``).
+* ``OSCARS_TEST_SIGTERM=STEP``: global rank 1 receives SIGTERM after global step STEP, once per OUT_DIR (a
+  preemption notice: every rank stops at the next round boundary).
 * ``OSCARS_TEST_MODEL``: ``mlp`` (default) or ``batchnorm``.
 
 Every rank appends each real step's sample indices to ``OUT_DIR/trained-<pid>.jsonl`` as it trains (a killed rank's
@@ -61,6 +63,18 @@ class KillAt(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SigtermAfter(L.Callback):
+    """Global rank 1 receives SIGTERM after ``step``, once per output directory."""
+
+    def __init__(self, step: int, out: Path) -> None:
+        self.step, self.marker = step, out / f"sigterm-{step}"
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == self.step and not self.marker.exists():
+            self.marker.write_text("")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dump_after = float(os.environ.get("OSCARS_TEST_DUMP_AFTER", "0"))
@@ -71,6 +85,8 @@ def main() -> None:
     callbacks: list[L.Callback] = [HeterogeneityEmulator({1: 3.0})]
     if "OSCARS_TEST_KILL" in os.environ:
         callbacks.append(KillAt(int(os.environ["OSCARS_TEST_KILL"]), out))
+    if "OSCARS_TEST_SIGTERM" in os.environ:
+        callbacks.append(SigtermAfter(int(os.environ["OSCARS_TEST_SIGTERM"]), out))
     torchrun = os.environ.get("OSCARS_TEST_TORCHRUN") == "1"
     trainer = L.Trainer(
         strategy=OscarsStrategy(timeout=__import__("datetime").timedelta(seconds=30)),

@@ -56,6 +56,16 @@ def test_a_survivor_cut_short_inside_a_round_keeps_only_what_it_trained():
     assert going_on.retrained == ()
 
 
+def test_a_stop_after_an_averaging_consumed_exactly_the_rounds_before_it():
+    plan, rnd = failed_at_round_end()
+    going_on = continue_epoch(plan, 0, rnd.end_slot, [Survivor(0, 0), Survivor(1, 0)], averaged=True)
+    after = plan.rounds[3]
+    assert sorted(going_on.order[: going_on.consumed]) == sorted(plan.unit(p) for p in range(after.first_unit))
+    assert going_on.retrained == ()
+    ended = continue_epoch(plan, 0, plan.total_slots, [Survivor(0, 0)], averaged=True)
+    assert ended.consumed == 60
+
+
 def test_a_settled_deadline_order_is_followed():
     plan = EpochPlan(2, 40, 40, (2, 1), reserve=(3, 2))
     first = plan.rounds[0]

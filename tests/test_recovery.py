@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,16 +76,18 @@ def _killed_pids(out: Path, before: set[int]) -> set[int]:
 @prelaunch.background
 def _restart_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, set[int]]]]:
     """Lightning's launcher in a restart loop: 2 ranks, rank 1 killed at step 6 (the warm-up round); again 2 ranks,
-    rank 1 killed at step 20 (the second epoch: a failure right after a recovery); then 2 ranks to the end."""
+    stopped by SIGTERM on rank 1 after step 10 (a preemption right after a recovery: every rank saves at the round
+    boundary); 2 ranks, rank 1 killed at step 20 (the second epoch); then 2 ranks to the end."""
     out = tmp_path_factory.mktemp("restart_loop")
     runs = []
-    for kill in ("6", "20", None):
+    for event in ("KILL=6", "SIGTERM=10", "KILL=20", None):
         seen = {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")}
         env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_MODEL="batchnorm")
-        if kill is not None:
-            env["OSCARS_TEST_KILL"] = kill
+        if event is not None:
+            name, step = event.split("=")
+            env[f"OSCARS_TEST_{name}"] = step
         code, log = _run([sys.executable, CASE, str(out)], env)
-        runs.append((code, log, _killed_pids(out, seen) if kill is not None else set()))
+        runs.append((code, log, _killed_pids(out, seen) if event and event.startswith("KILL") else set()))
     return out, runs
 
 
@@ -95,17 +98,25 @@ def restart_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[t
 
 def test_a_restart_loop_around_lightnings_launcher_goes_on_after_each_lost_rank(restart_loop):
     out, runs = restart_loop
-    (first, log1, _), (second, log2, _), (third, log3, _) = runs
+    (first, log1, _), (_, log2, _), (third, log3, _), (last, log4, _) = runs
     assert first != 0 and "This rank's state is saved in" in log1, log1[-3000:]
-    assert second != 0 and RESTORED in log2, log2[-3000:]
-    assert "This rank's state is saved in" in log2, log2[-3000:]
-    assert third == 0 and RESTORED in log3, log3[-3000:]
+    assert third != 0 and "This rank's state is saved in" in log3, log3[-3000:]
+    assert last == 0, log4[-3000:]
+    # Each restart resumed from the point the run before it left: a newer one every time (the SIGTERM's included).
+    points = [_restored_step(log) for log in (log2, log3, log4)]
+    assert None not in points and points == sorted(set(points)), points
     # The dead rank's processes: in each killed run, the rank-1 process (its record ends at the kill).
     killed: set[int] = set()
-    for _, _, pids in runs[:2]:
+    for _, _, pids in (runs[0], runs[2]):
         last_steps = {pid: max(_steps(out, pid)) for pid in pids}
         killed.add(min(last_steps, key=last_steps.__getitem__))  # the one that died first trained least far
     _assert_recovered(out, killed, ranks=2)
+
+
+def _restored_step(log: str) -> int | None:
+    """The global step of the recovery point a run restored from (``None``: it restored from none)."""
+    found = re.search(re.escape(RESTORED) + r"\S*oscars-recovery/step-(\d+)/", log)
+    return int(found.group(1)) if found else None
 
 
 def _steps(out: Path, pid: int) -> list[int]:
