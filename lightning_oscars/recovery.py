@@ -29,7 +29,7 @@ from lightning_oscars.averaging import FlatAverager
 from lightning_oscars.continuation import continue_epoch
 from lightning_oscars.loader import LoadBalancedLoader
 from lightning_oscars.partition import EpochPlan
-from lightning_oscars.recovery_points import RecoveryPoint, RecoveryStore, default_recovery_dir
+from lightning_oscars.recovery_points import RecoveryPoint, RecoveryStore, default_recovery_dir, model_fingerprint
 from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import SyncScheme
 
@@ -51,9 +51,10 @@ def find_recovery_point(strategy: Any, trainer: Trainer | None) -> RecoveryPoint
     if not strategy.recovery or trainer is None or trainer.state.fn != TrainerFn.FITTING:
         return None
     store, rank = recovery_store(trainer, strategy.recovery_dir), strategy.global_rank
+    module = strategy.lightning_module
     found: list[Any] = [None]
     if rank == 0:
-        point = store.latest()
+        point = store.latest(model_fingerprint(module))
         found[0] = None if point is None else point.to_json()
     torch.distributed.broadcast_object_list(found, src=0)
     if found[0] is None:
@@ -107,6 +108,8 @@ class FitRecovery:
             return None
         if self.point is not None and not self.merged:
             return Path(self.point.directory)
+        if stopped and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
+            return None  # a stop's point only where an agent restarts the ranks (torchrun --max-restarts=K)
         epoch = trainer.current_epoch
         checkpoint = LightningAdapter.full_checkpoint(trainer)
         rounds_state = rounds.state_dict()
@@ -124,6 +127,7 @@ class FitRecovery:
             epoch=epoch,
             round_units=int(rounds_state["round_units"]),
             stopped=stopped,
+            model=model_fingerprint(trainer.lightning_module),
         )
 
     def resume(

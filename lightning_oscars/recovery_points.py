@@ -21,6 +21,7 @@ when a fit ends.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -33,10 +34,16 @@ import torch
 
 from lightning_oscars.continuation import Survivor
 
-__all__ = ["RecoveryPoint", "RecoveryStore", "SavedRank", "default_recovery_dir"]
+__all__ = ["RecoveryPoint", "RecoveryStore", "SavedRank", "default_recovery_dir", "model_fingerprint"]
 
 _FORMAT = 1
 _POINT_PREFIX = "step-"
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """The model's class and the names and shapes of its state: a point saved by another model is not resumed."""
+    shapes = ";".join(f"{name}:{tuple(t.shape)}" for name, t in model.state_dict().items())
+    return f"{type(model).__qualname__}/{hashlib.sha1(shapes.encode()).hexdigest()[:16]}"
 
 
 def default_recovery_dir(default_root_dir: str | os.PathLike[str]) -> Path:
@@ -71,6 +78,7 @@ class RecoveryPoint:
     world_size: int
     saved: tuple[SavedRank, ...]
     stopped: bool = False  # saved at a coordinated stop (SIGTERM), not a failure: every rank holds the same model
+    model: str = ""  # what was trained (``model_fingerprint``): a point of another model is not this fit's
 
     def assigned(self, rank: int) -> SavedRank:
         """The state rank ``rank`` of the restarted world resumes from: the survivors' in turn (a world larger than
@@ -91,7 +99,8 @@ class RecoveryPoint:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RecoveryPoint:
         saved = tuple(SavedRank(**s) for s in data["saved"])
-        return cls(data["directory"], data["global_step"], data["epoch"], data["world_size"], saved, data["stopped"])
+        fields = (data["directory"], data["global_step"], data["epoch"], data["world_size"])
+        return cls(*fields, saved, data["stopped"], data["model"])
 
 
 class RecoveryStore:
@@ -111,6 +120,7 @@ class RecoveryStore:
         epoch: int,
         round_units: int,
         stopped: bool = False,
+        model: str = "",
     ) -> Path:
         """Write one survivor's state and then its entry (each under a temporary name first); returns the point."""
         point = self.root / f"{_POINT_PREFIX}{global_step:09d}"
@@ -123,6 +133,7 @@ class RecoveryStore:
             "world_size": world_size,
             "global_step": global_step,
             "stopped": stopped,
+            "model": model,
             **asdict(SavedRank(rank, replica, round_units, str(path))),
         }
         _write_atomically(point / f"rank-{rank}.json", lambda f: f.write(json.dumps(entry).encode()))
@@ -135,11 +146,11 @@ class RecoveryStore:
         found = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(_POINT_PREFIX)]
         return sorted(found, key=lambda p: p.name, reverse=True)
 
-    def latest(self) -> RecoveryPoint | None:
-        """The newest point with at least one complete state, or ``None``."""
+    def latest(self, model: str | None = None) -> RecoveryPoint | None:
+        """The newest point with at least one complete state (of ``model``, if given), or ``None``."""
         for directory in self.points():
             point = read_point(directory)
-            if point is not None:
+            if point is not None and (model is None or point.model == model):
                 return point
         return None
 
@@ -164,16 +175,18 @@ def read_point(directory: Path) -> RecoveryPoint | None:
             entries.append(entry)
     if not entries:
         return None
-    keys = [(e["epoch"], e["world_size"], e["global_step"], bool(e.get("stopped"))) for e in entries]
-    epoch, world, step, stopped = max(set(keys), key=keys.count)
-    agreed = [e for e, key in zip(entries, keys) if key == (epoch, world, step, stopped)]
+    keys = [
+        (e["epoch"], e["world_size"], e["global_step"], bool(e.get("stopped")), e.get("model", "")) for e in entries
+    ]
+    epoch, world, step, stopped, model = max(set(keys), key=keys.count)
+    agreed = [e for e, key in zip(entries, keys) if key == (epoch, world, step, stopped, model)]
     saved = tuple(
         sorted(
             (SavedRank(e["rank"], e["replica"], e["round_units"], e["checkpoint"]) for e in agreed),
             key=lambda s: s.rank,
         )
     )
-    return RecoveryPoint(str(directory), step, epoch, world, _distinct_replicas(saved), stopped)
+    return RecoveryPoint(str(directory), step, epoch, world, _distinct_replicas(saved), stopped, model)
 
 
 def _distinct_replicas(saved: Sequence[SavedRank]) -> tuple[SavedRank, ...]:

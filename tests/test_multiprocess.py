@@ -32,6 +32,7 @@ def _start_case(case: str, out: Path, timeout: int, extra_env: dict | None) -> s
     env.update(extra_env or {})
     return subprocess.Popen(
         [sys.executable, str(HERE / "run_case.py"), case, str(out)],
+        cwd=out,  # Lightning's default_root_dir: a failed case's recovery point stays in its own directory
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,

@@ -86,6 +86,8 @@ def _restart_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
         if event is not None:
             name, step = event.split("=")
             env[f"OSCARS_TEST_{name}"] = step
+        # As torchrun --max-restarts=1 tells its ranks: a stop's recovery point is saved where an agent restarts them.
+        env["TORCHELASTIC_MAX_RESTARTS"] = "1"
         code, log = _run([sys.executable, CASE, str(out)], env)
         runs.append((code, log, _killed_pids(out, seen) if event and event.startswith("KILL") else set()))
     return out, runs

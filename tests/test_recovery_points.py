@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from lightning_oscars.recovery_points import RecoveryPoint, RecoveryStore
+from lightning_oscars.recovery_points import RecoveryPoint, RecoveryStore, model_fingerprint
 
 
 def save(store: RecoveryStore, rank: int, step: int = 7, epoch: int = 0, world: int = 3, units: int = 2) -> None:
@@ -69,3 +69,15 @@ def test_discarding_removes_points_up_to_a_step(tmp_path):
     store.discard()
     assert store.points() == [] and store.latest() is None
     assert RecoveryStore(tmp_path / "missing").latest() is None
+
+
+def test_a_point_of_another_model_is_not_this_fits(tmp_path):
+    small, large = torch.nn.Linear(2, 3), torch.nn.Linear(2, 4)
+    assert model_fingerprint(small) == model_fingerprint(torch.nn.Linear(2, 3)) != model_fingerprint(large)
+    store = RecoveryStore(tmp_path)
+    store.save(
+        {}, rank=0, replica=0, world_size=2, global_step=4, epoch=0, round_units=1, model=model_fingerprint(small)
+    )
+    assert store.latest(model_fingerprint(large)) is None
+    point = store.latest(model_fingerprint(small))
+    assert point is not None and point.model == model_fingerprint(small)

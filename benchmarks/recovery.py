@@ -1,0 +1,116 @@
+"""What a lost rank costs: oscars' recovery against restarting from the last checkpoint, and an undisturbed run.
+
+    python -m benchmarks.recovery [--runs 3] [--kill-step 90] [--name recovery]
+
+Two ranks through Lightning's launcher (rank 1 3x slower, GPU-like regime on scikit-learn's digits, 6 epochs), rank 1
+SIGKILLed at global step ``--kill-step`` (mid-way through the third epoch), the job restarted at once by a loop:
+
+* ``undisturbed``: no failure;
+* ``recovery, node back``: the restart has two ranks again (the second starts from a copy of the survivor's state);
+* ``recovery, one rank left``: the restart has only the survivor;
+* ``last checkpoint``: today's alternative: ``ModelCheckpoint(save_last=True)`` at every epoch end, ``recovery=False``,
+  the restart given ``ckpt_path="last"``.
+
+Per scenario, medians of ``--runs``: the wall time of the whole job (every launch, start-up included), the seconds
+from the kill to the restarted fit's first training step, the samples trained and discarded (all samples trained
+minus epochs x the training set), and the final test accuracy. Writes benchmarks/results/NAME.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TRAIN_SAMPLES = 1797 - 360  # benchmarks.task.load_digits_split: the digits less the held-out test images
+EPOCHS = 6
+SCENARIOS = {
+    "undisturbed": ("none", [2]),
+    "recovery, node back": ("recovery", [2, 2]),
+    "recovery, one rank left": ("recovery", [2, 1]),
+    "last checkpoint": ("checkpoint", [2, 2]),
+}
+
+
+def _launch(out: Path, mode: str, devices: int, kill_step: int | None, seed: int) -> float:
+    cmd = [sys.executable, "-m", "benchmarks.recovery_job", "--out", str(out), "--mode", mode]
+    cmd += ["--devices", str(devices), "--epochs", str(EPOCHS), "--seed", str(seed)]
+    if kill_step is not None:
+        cmd += ["--kill-step", str(kill_step)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    started = time.perf_counter()
+    with open(out / "launches.log", "a") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600, check=False)
+    return time.perf_counter() - started
+
+
+def run_scenario(mode: str, launches: list[int], kill_step: int, seed: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        wall = 0.0
+        for k, devices in enumerate(launches):
+            wall += _launch(out, mode, devices, kill_step if k == 0 and len(launches) > 1 else None, seed)
+        if not (out / "result.json").exists():
+            raise RuntimeError(
+                f"{mode} {launches}: the job did not finish\n{(out / 'launches.log').read_text()[-3000:]}"
+            )
+        result = json.loads((out / "result.json").read_text())
+        trained = sum(
+            json.loads(line)["samples"] for path in out.glob("steps-*.jsonl") for line in path.read_text().splitlines()
+        )
+        back = None
+        if (out / "killed.json").exists():
+            killed = json.loads((out / "killed.json").read_text())["time"]
+            starts = [json.loads(p.read_text())["time"] for p in out.glob("started-*.json")]
+            back = min(t for t in starts if t > killed) - killed
+        return {
+            "wall_s": wall,
+            "back_to_training_s": back,
+            "discarded": trained - EPOCHS * TRAIN_SAMPLES,
+            "val_acc": result["val_acc"],
+        }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--kill-step", type=int, default=90)
+    p.add_argument("--name", default="recovery")
+    a = p.parse_args()
+    rows: dict[str, list[dict]] = {name: [] for name in SCENARIOS}
+    for run in range(a.runs):
+        for name, (mode, launches) in SCENARIOS.items():  # side by side, in turn, every run
+            rows[name].append(run_scenario(mode, launches, a.kill_step, seed=run))
+            print(name, rows[name][-1], flush=True)
+    med = {
+        name: {
+            key: statistics.median(r[key] for r in runs if r[key] is not None) if runs[0][key] is not None else None
+            for key in runs[0]
+        }
+        for name, runs in rows.items()
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{a.name}.json").write_text(json.dumps({"runs": rows, "median": med, "kill_step": a.kill_step}))
+    lines = [
+        f"# What a lost rank costs (2 ranks, rank 1 3x slower, GPU-like, digits, {EPOCHS} epochs; rank 1 SIGKILLed at"
+        f" step {a.kill_step}; medians of {a.runs})",
+        "",
+        "| scenario | job wall s | kill to training again s | samples discarded | final test acc |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, m in med.items():
+        back = "-" if m["back_to_training_s"] is None else f"{m['back_to_training_s']:.1f}"
+        lines.append(f"| {name} | {m['wall_s']:.1f} | {back} | {m['discarded']:.0f} | {m['val_acc']:.4f} |")
+    (RESULTS / f"{a.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
