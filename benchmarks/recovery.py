@@ -3,7 +3,7 @@
     python -m benchmarks.recovery [--runs 3] [--kill-step 90] [--name recovery]
 
 Two ranks through Lightning's launcher (rank 1 3x slower, GPU-like regime on scikit-learn's digits, 6 epochs), rank 1
-SIGKILLed at global step ``--kill-step`` (mid-way through the third epoch), the job restarted at once by a loop:
+SIGKILLed at global step ``--kill-step`` (mid-way through the third epoch; 5 steps later in each further run), the job restarted at once by a loop:
 
 * ``undisturbed``: no failure;
 * ``recovery, node back``: the restart has two ranks again (the second starts from a copy of the survivor's state);
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TRAIN_SAMPLES = 1797 - 360  # benchmarks.task.load_digits_split: the digits less the held-out test images
+TRAIN_SAMPLES = 1438  # len(benchmarks.task.load_digits_split()[0]): the digits less the held-out test images
 EPOCHS = 6
 SCENARIOS = {
     "undisturbed": ("none", [2]),
@@ -87,7 +87,8 @@ def main() -> None:
     rows: dict[str, list[dict]] = {name: [] for name in SCENARIOS}
     for run in range(a.runs):
         for name, (mode, launches) in SCENARIOS.items():  # side by side, in turn, every run
-            rows[name].append(run_scenario(mode, launches, a.kill_step, seed=run))
+            # The kill moves by 5 steps a run: the dead rank is caught at another point of its round each time.
+            rows[name].append(run_scenario(mode, launches, a.kill_step + 5 * run, seed=run))
             print(name, rows[name][-1], flush=True)
     med = {
         name: {
@@ -100,9 +101,9 @@ def main() -> None:
     (RESULTS / f"{a.name}.json").write_text(json.dumps({"runs": rows, "median": med, "kill_step": a.kill_step}))
     lines = [
         f"# What a lost rank costs (2 ranks, rank 1 3x slower, GPU-like, digits, {EPOCHS} epochs; rank 1 SIGKILLed at"
-        f" step {a.kill_step}; medians of {a.runs})",
+        f" step {a.kill_step} + 5 x run; medians of {a.runs})",
         "",
-        "| scenario | job wall s | kill to training again s | samples discarded | final test acc |",
+        "| scenario | job wall s | kill to training again s | samples trained again | final test acc |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, m in med.items():
