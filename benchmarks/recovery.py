@@ -2,8 +2,9 @@
 
     python -m benchmarks.recovery [--runs 3] [--kill-step 90] [--name recovery]
 
-Two ranks through Lightning's launcher (rank 1 3x slower, GPU-like regime on scikit-learn's digits, 6 epochs), rank 1
-SIGKILLed at global step ``--kill-step`` (mid-way through the third epoch; 5 steps later in each further run), the job restarted at once by a loop:
+Two ranks through Lightning's launcher (rank 1 3x slower, GPU-like regime on scikit-learn's digits, 6 epochs). Rank 1
+is SIGKILLed at global step ``--kill-step`` (mid-way through the third epoch; 5 steps later in each further run, so
+that it dies at another point of its round), and a loop restarts the job at once:
 
 * ``undisturbed``: no failure;
 * ``recovery, node back``: the restart has two ranks again (the second starts from a copy of the survivor's state);
@@ -12,8 +13,8 @@ SIGKILLed at global step ``--kill-step`` (mid-way through the third epoch; 5 ste
   the restart given ``ckpt_path="last"``.
 
 Per scenario, medians of ``--runs``: the wall time of the whole job (every launch, start-up included), the seconds
-from the kill to the restarted fit's first training step, the samples trained and discarded (all samples trained
-minus epochs x the training set), and the final test accuracy. Writes benchmarks/results/NAME.{json,md}.
+from the kill to the restarted fit's first training step, the samples trained again (all samples trained minus
+epochs x the training set), and the final test accuracy. Writes benchmarks/results/NAME.{json,md}.
 """
 
 from __future__ import annotations
