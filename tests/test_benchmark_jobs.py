@@ -27,3 +27,11 @@ def test_train_job_writes_a_json_summary_with_the_round_history(tmp_path):
     assert last["local_steps"][0] > last["local_steps"][1], "the 1x rank takes more steps than the 3x one"
     assert {"period", "idle_times", "utilization", "compute_times", "step_times"} <= set(last)
     assert result["step_time_s"] == last["step_times"]
+
+
+def test_the_recovery_benchmark_counts_against_the_real_training_set():
+    # "Samples trained again" is all samples trained minus epochs x this: a wrong size would read as lost work.
+    from benchmarks.recovery import TRAIN_SAMPLES
+    from benchmarks.task import load_digits_split
+
+    assert TRAIN_SAMPLES == len(load_digits_split()[0])
