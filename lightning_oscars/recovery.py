@@ -54,7 +54,11 @@ def find_recovery_point(strategy: Any, trainer: Trainer | None) -> RecoveryPoint
     module = strategy.lightning_module
     found: list[Any] = [None]
     if rank == 0:
-        point = store.latest(model_fingerprint(module))
+        try:
+            point = store.latest(model_fingerprint(module))
+        except OSError as error:  # an unreadable directory must not leave the other ranks waiting in the broadcast
+            rank_zero_warn(f"oscars: the recovery directory {store.root} could not be read ({error}); starting afresh")
+            point = None
         found[0] = None if point is None else point.to_json()
     torch.distributed.broadcast_object_list(found, src=0)
     if found[0] is None:
