@@ -249,6 +249,9 @@ def test_print_config_shows_model_and_data_options(example, capsys):
 # ---------------------------------------------------------------- 2-rank fit
 
 
+# The example end to end (a ResNet on 2 ranks, 25-55 s on 2 cores): outside the default run (``pytest -m extended``),
+# which CI also runs; the strategy under it is covered by the default run's own multi-process tests.
+@pytest.mark.extended
 @pytest.mark.multiprocess
 def test_synthetic_cifar10_trains_on_two_ranks(tmp_path):
     cmd = [
