@@ -33,16 +33,3 @@ def meeting(control, weight_index=0, group=None):
         return summed.tolist()
 
     return RoundMeeting(control, weight_index, sum_control)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _background_launches(request, tmp_path_factory):
-    """Start the selected tests' launch-heavy fixtures in the background (``prelaunch.py``); wait for them at the
-    end so that no launch outlives the session."""
-    import prelaunch
-
-    names = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
-    thread = prelaunch.start(names, tmp_path_factory)
-    yield
-    if thread is not None:
-        thread.join()

@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import prelaunch
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -456,8 +455,8 @@ def resumes(resumable: tuple[Path, list[dict]], tmp_path_factory: pytest.TempPat
     return dirs
 
 
-@prelaunch.background
-def _exact_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict]]]:
+@pytest.fixture(scope="module")
+def exact_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict]]]:
     """The pinned-speed runs: the reference ``exact_a``, its repeat ``exact_b`` and a run preempted by SIGTERM
     (``preempt_first``), two at a time; then ``preempt_resume`` in the preempted run's directory."""
     dirs = {case: tmp_path_factory.mktemp(case) for case in ("exact_a", "exact_b", "preempt_first")}
@@ -469,11 +468,6 @@ def _exact_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     runs["preempt_first"] = (out, _renamed_results("preempt_first", out))
     runs["preempt_resume"] = (out, case_results("preempt_resume", out))
     return runs
-
-
-@pytest.fixture(scope="module")
-def exact_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict]]]:
-    return prelaunch.result(_exact_runs, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -496,8 +490,8 @@ def _checked(results: list[dict]) -> list[dict]:
 MIDEPOCH = ("midepoch", "deadline_midepoch", "ripples_midepoch", "ssp_midepoch", "overlap_midepoch")
 
 
-@prelaunch.background
-def _midepoch_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict], list[dict]]]:
+@pytest.fixture(scope="module")
+def midepoch_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict], list[dict]]]:
     """Per name of ``MIDEPOCH``: its directory, the first run's results and the resumed run's (each resume starts as
     soon as its first run ended, two chains at a time)."""
     dirs = {name: tmp_path_factory.mktemp(name) for name in MIDEPOCH}
@@ -506,11 +500,6 @@ def _midepoch_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[
         name: (out, _renamed_results(f"{name}_first", out), case_results(f"{name}_second", out))
         for name, out in dirs.items()
     }
-
-
-@pytest.fixture(scope="module")
-def midepoch_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict], list[dict]]]:
-    return prelaunch.result(_midepoch_runs, tmp_path_factory)
 
 
 def _renamed_results(case: str, out: Path) -> list[dict]:
@@ -532,16 +521,11 @@ SIGNALS = (
 )
 
 
-@prelaunch.background
-def _stop_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+@pytest.fixture(scope="module")
+def stop_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     dirs = {case: tmp_path_factory.mktemp(case) for case in FAILURES + SIGNALS}
     run_chains([[(case, out)] for case, out in dirs.items()], at_once=3)
     return dirs
-
-
-@pytest.fixture(scope="module")
-def stop_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return prelaunch.result(_stop_runs, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

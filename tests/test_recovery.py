@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import prelaunch
 import pytest
 from subproc import ROOT, clean_env, kill_group, start
 
@@ -73,8 +72,8 @@ def _killed_pids(out: Path, before: set[int]) -> set[int]:
     return {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")} - before
 
 
-@prelaunch.background
-def _restart_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, set[int]]]]:
+@pytest.fixture(scope="module")
+def restart_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, set[int]]]]:
     """Lightning's launcher in a restart loop: 2 ranks, rank 1 killed at step 6 (the warm-up round); again 2 ranks,
     stopped by SIGTERM on rank 1 after step 10 (a preemption right after a recovery: every rank saves at the round
     boundary); 2 ranks, rank 1 killed at step 20 (the second epoch); then 2 ranks to the end."""
@@ -91,11 +90,6 @@ def _restart_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
         code, log = _run([sys.executable, CASE, str(out)], env)
         runs.append((code, log, _killed_pids(out, seen) if event and event.startswith("KILL") else set()))
     return out, runs
-
-
-@pytest.fixture(scope="module")
-def restart_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, set[int]]]]:
-    return prelaunch.result(_restart_loop, tmp_path_factory)
 
 
 def test_a_restart_loop_around_lightnings_launcher_goes_on_after_each_lost_rank(restart_loop):
