@@ -5,7 +5,7 @@ or torchrun (``OSCARS_TEST_TORCHRUN=1``). The fit trains the indexed blobs for t
 3x slower, saving nothing itself (``enable_checkpointing=False``): all it resumes from is the recovery point.
 
 * ``OSCARS_TEST_KILL=STEP``: global rank 1 kills itself with SIGKILL as global step STEP starts, once per OUT_DIR
-  (the marker ``killed-STEP``).
+  (the marker ``killed-STEP``); with ``OSCARS_TEST_KILL_AGENT=1`` its torchrun agent first (a node lost).
 * ``OSCARS_TEST_SIGTERM=STEP``: global rank 1 receives SIGTERM after global step STEP, once per OUT_DIR (a
   preemption notice: every rank stops at the next round boundary).
 * ``OSCARS_TEST_MODEL``: ``mlp`` (default) or ``batchnorm``.
@@ -60,6 +60,8 @@ class KillAt(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_rank == 1 and trainer.global_step == self.step and not self.marker.exists():
             self.marker.write_text("")
+            if os.environ.get("OSCARS_TEST_KILL_AGENT") == "1":  # the whole node: torchrun's agent, then the rank
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -14,10 +14,11 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from subproc import ROOT, clean_env, kill_group, start
+from subproc import ROOT, clean_env, free_port, kill_group, start
 
 pytestmark = pytest.mark.multiprocess
 
@@ -118,3 +119,62 @@ def _restored_step(log: str) -> int | None:
 def _steps(out: Path, pid: int) -> list[int]:
     lines = (out / f"trained-{pid}.jsonl").read_text().splitlines()
     return [json.loads(line)["step"] for line in lines] or [-1]
+
+
+def _torchrun(port: int, *args: str) -> list[str]:
+    # torch's shared rendezvous store keeps the last round's keys across an agent's restart (pytorch/pytorch#135712):
+    # the ranks of a restarted round then wait for keys nobody writes. A store of the ranks' own avoids it.
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+    ]
+    return [*launcher, "--monitor-interval=1", *args, CASE]
+
+
+def _torchrun_env(kill: str) -> dict[str, str]:
+    env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_TORCHRUN="1", OSCARS_TEST_KILL=kill)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def _pids_by_last_step(out: Path) -> dict[int, int]:
+    return {int(p.stem.split("-")[1]): max(_steps(out, int(p.stem.split("-")[1]))) for p in out.glob("trained-*")}
+
+
+@pytest.mark.extended
+def test_torchrun_restarts_its_ranks_and_they_go_on_from_the_survivors_state(tmp_path):
+    """One torchrun agent, two ranks, ``--max-restarts=1``; rank 1 is SIGKILLed mid-epoch. Rank 0 saves its state and
+    fails; the agent restarts both ranks, which find the recovery point by themselves (rank 1 from a copy)."""
+    cmd = _torchrun(free_port(), "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1")
+    code, log = _run([*cmd, str(tmp_path)], _torchrun_env("9"))
+    assert code == 0, log[-4000:]
+    assert "This rank's state is saved in" in log and _restored_step(log) is not None, log[-4000:]
+    killed = {pid for pid, last in _pids_by_last_step(tmp_path).items() if last < 9}
+    assert len(killed) == 1
+    _assert_recovered(tmp_path, killed, ranks=2)
+
+
+@pytest.mark.extended
+def test_an_elastic_torchrun_job_goes_on_in_a_smaller_world_when_a_node_dies(tmp_path):
+    """Two agents on loopback (``--nnodes=1:2``), one rank each; node 1's rank is SIGKILLed and its agent with it. The
+    surviving agent restarts its rank in a world of one, which resumes from its own saved state."""
+    port = free_port()
+    args = ("--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=2", "--rdzv-conf=last_call_timeout=2")
+    host = start([*_torchrun(port, *args), str(tmp_path)], _torchrun_env("9"))
+    time.sleep(3)  # the first agent hosts the rendezvous store: it must be the one that survives
+    node = start([*_torchrun(port, *args), str(tmp_path)], {**_torchrun_env("9"), "OSCARS_TEST_KILL_AGENT": "1"})
+    try:
+        log, _ = host.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        kill_group(host)
+        log, _ = host.communicate()
+        pytest.fail(f"the surviving agent did not finish within {TIMEOUT}s\n{log[-4000:]}")
+    finally:
+        kill_group(node)
+    assert host.returncode == 0, log[-4000:]
+    killed = {pid for pid, last in _pids_by_last_step(tmp_path).items() if last < 9}
+    result = _assert_recovered(tmp_path, killed, ranks=1)[0]
+    assert result["world_size"] == 1
