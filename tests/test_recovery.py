@@ -29,13 +29,17 @@ RESTORED = "Restoring states from the checkpoint path at "  # Lightning's line, 
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float = TIMEOUT) -> tuple[int, str]:
-    proc = start(cmd, env)
+    return _finish(start(cmd, env), timeout)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = TIMEOUT) -> tuple[int, str]:
+    """Wait for ``proc`` (a hard timeout: a hang fails the test), then kill what is left of its process group."""
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
         log, _ = proc.communicate()
-        pytest.fail(f"{cmd} did not finish within {timeout}s (deadlock?)\n{log[-4000:]}")
+        pytest.fail(f"{proc.args} did not finish within {timeout}s (deadlock?)\n{log[-4000:]}")
     kill_group(proc)  # a killed rank's orphans, if any
     return proc.returncode, log
 
@@ -167,14 +171,10 @@ def test_an_elastic_torchrun_job_goes_on_in_a_smaller_world_when_a_node_dies(tmp
     time.sleep(3)  # the first agent hosts the rendezvous store: it must be the one that survives
     node = start([*_torchrun(port, *args), str(tmp_path)], {**_torchrun_env("9"), "OSCARS_TEST_KILL_AGENT": "1"})
     try:
-        log, _ = host.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        kill_group(host)
-        log, _ = host.communicate()
-        pytest.fail(f"the surviving agent did not finish within {TIMEOUT}s\n{log[-4000:]}")
+        code, log = _finish(host)
     finally:
         kill_group(node)
-    assert host.returncode == 0, log[-4000:]
+    assert code == 0, log[-4000:]
     killed = {pid for pid, last in _pids_by_last_step(tmp_path).items() if last < 9}
     result = _assert_recovered(tmp_path, killed, ranks=1)[0]
     assert result["world_size"] == 1
