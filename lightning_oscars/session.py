@@ -254,9 +254,8 @@ class FitSession:
                 # state dict, where the averaging would otherwise happen: a peer waiting for this rank inside the
                 # round would never reach them. Averaging first releases it.
                 self.average_if_pending()
-            self.agreement.agree_step_values(
-                trainer, self.rounds.failed
-            )  # its top-k and file name may read a step value
+            # Its top-k and file name may read a step value.
+            self.agreement.agree_step_values(trainer, self.rounds.failed)
         self.adapter.pace_validation(trainer, batch_idx)
 
     def end_epoch(self, trainer: Trainer) -> None:
