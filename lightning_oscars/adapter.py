@@ -52,6 +52,7 @@ import torch  # noqa: E402
 from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver  # noqa: E402
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper  # noqa: E402
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states  # noqa: E402
 from lightning.pytorch import LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import (  # noqa: E402
     GradientAccumulationScheduler,
@@ -475,6 +476,23 @@ class LightningAdapter:
         """Everything ``trainer.save_checkpoint`` would write (model, optimizers, loops, callbacks), as a dict, on this
         rank alone: no barrier, no write, nothing rank 0 must do (a survivor of a failed round saves it)."""
         return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+    @staticmethod
+    def rng_states() -> dict[str, Any]:
+        """This process's random generators (torch, CUDA, NumPy, Python), as Lightning collects them, with NumPy's
+        key array as a tensor: a restore loads checkpoints with ``weights_only``, which refuses NumPy arrays."""
+        states = _collect_rng_states()
+        if "numpy" in states:
+            name, key, *rest = states["numpy"]
+            states["numpy"] = (name, torch.from_numpy(key.astype("int64")), *rest)
+        return states
+
+    @staticmethod
+    def restore_rng_states(states: dict[str, Any]) -> None:
+        if "numpy" in states:
+            name, key, *rest = states["numpy"]
+            states = {**states, "numpy": (name, key.numpy().astype("uint32"), *rest)}
+        _set_rng_states(states)
 
     @staticmethod
     def resume_from_unless_given(trainer: Trainer, path: str, given_before: float) -> None:

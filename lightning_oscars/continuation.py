@@ -89,8 +89,9 @@ def continue_epoch(
 ) -> EpochContinuation:
     """What ``epoch`` (planned by ``plan``) consumed when its averaging after ``slots`` slots failed with only
     ``survivors`` left (see the module docstring). ``plan.progress`` holds what every rank had trained in the failed
-    round at the last extra averaging inside it. ``averaged``: the averaging after ``slots`` did happen (a coordinated
-    stop there): every unit of the rounds before is consumed, and nothing of the next."""
+    round at the last extra averaging inside it. ``averaged``: the averaging after ``slots`` did happen and nothing
+    trained since (a coordinated stop at a round boundary; a failure inside a validation or a checkpoint write, after
+    their averaging): every unit of the rounds before is consumed, the current round's up to ``plan.progress``."""
     if not survivors:
         raise ValueError("no rank survived the failed round: there is nothing to go on from")
     trained = {s.rank: s.round_units for s in survivors}
@@ -98,8 +99,14 @@ def continue_epoch(
         raise ValueError(f"survivors {sorted(trained)} are not distinct ranks of {plan.world_size}")
     positions: list[int] = []
     retrained: list[int] = []
-    if averaged:
-        positions = list(range(plan.round_at(slots).first_unit if slots < plan.total_slots else plan.total_units))
+    if averaged and slots >= plan.total_slots:
+        positions = list(range(plan.total_units))
+    elif averaged:
+        current = plan.round_at(slots)  # at a round boundary its progress is zero: nothing of it was trained
+        positions = list(range(current.first_unit))
+        for rank in range(plan.world_size):
+            done = plan.progress[rank] if rank < len(plan.progress) else 0
+            positions += current.units_of(rank)[:done]
     elif slots > 0:
         failed = plan.round_at(min(slots, plan.total_slots) - 1)
         positions = list(range(failed.first_unit))

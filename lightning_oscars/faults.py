@@ -13,12 +13,24 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from lightning_oscars._c10d import default_store_or_none
 from lightning_oscars.rounds import RoundController
 
-__all__ = ["FailureBoard", "describe_collective_failure", "name_the_failure"]
+__all__ = ["FailureBoard", "broke_a_collective", "describe_collective_failure", "name_the_failure"]
 
 _PREFIX = "oscars/fault"
+# How gloo and NCCL word a collective whose peer is gone, where they raise a plain RuntimeError.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "nccl", "gloo")
+
+
+def broke_a_collective(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that broke (a peer died, or hung past the timeout), as torch.distributed and
+    its backends raise it, rather than an error of this rank's own code."""
+    if isinstance(error, torch.distributed.DistError):
+        return True
+    return isinstance(error, RuntimeError) and any(words in str(error).lower() for words in _PEER_GONE)
 
 
 def describe_collective_failure(

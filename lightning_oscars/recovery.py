@@ -56,6 +56,12 @@ def find_recovery_point(strategy: Any, trainer: Trainer | None) -> RecoveryPoint
     if rank == 0:
         try:
             point = store.latest(model_fingerprint(module))
+            for ignored in store.incomplete(point):
+                rank_zero_warn(
+                    f"oscars: ignoring the recovery point {ignored}: no rank's state in it is complete (its ranks"
+                    " failed while saving, or before)."
+                    + (" Starting from the next older point." if point is not None else " There is no older point.")
+                )
         except OSError as error:  # an unreadable directory must not leave the other ranks waiting in the broadcast
             rank_zero_warn(f"oscars: the recovery directory {store.root} could not be read ({error}); starting afresh")
             point = None
@@ -104,10 +110,12 @@ class FitRecovery:
         loader: LoadBalancedLoader | None,
         trainer: Trainer,
         stopped: bool = False,
+        averaged: bool = False,
     ) -> Path | None:
-        """A round's averaging failed: save this survivor's state; the point's directory, or ``None`` if nothing was
-        saved (nothing planned yet, a fit this does not cover, or a restarted fit that failed before its merge,
-        whose point is still the newest state)."""
+        """A round failed: save this survivor's state; the point's directory, or ``None`` if nothing was saved
+        (nothing planned yet, a fit this does not cover, or a restarted fit that failed before its merge, whose point
+        is still the newest state). ``averaged``: it failed after an averaging, before anything trained (inside a
+        validation or a checkpoint write); ``stopped``: a coordinated stop at a round boundary."""
         if rounds.plan is None or loader is None or not self.covers(rounds, scheme):
             return None
         if self.point is not None and not self.merged:
@@ -120,7 +128,7 @@ class FitRecovery:
         checkpoint["oscars"] = {
             **rounds_state,
             "scheme": scheme.state_dict(),
-            "recovery": {"order": loader.epoch_order(epoch)},
+            "recovery": {"order": loader.epoch_order(epoch), "rng": LightningAdapter.rng_states()},
         }
         return self.store.save(
             checkpoint,
@@ -131,6 +139,7 @@ class FitRecovery:
             epoch=epoch,
             round_units=int(rounds_state["round_units"]),
             stopped=stopped,
+            averaged=averaged,
             model=model_fingerprint(trainer.lightning_module),
         )
 
@@ -147,6 +156,8 @@ class FitRecovery:
         inside it; after a failure at the epoch's end, the next epoch starts whole)."""
         point = self.point
         assert point is not None
+        if point.merge_weight(self.rank) > 0 and "rng" in restored["recovery"]:  # its own state, not a copy's
+            LightningAdapter.restore_rng_states(restored["recovery"]["rng"])
         plan_state = restored.get("plan")
         if loader is None or position is None or epoch != point.epoch or plan_state is None:
             return
@@ -155,7 +166,7 @@ class FitRecovery:
         old = EpochPlan.from_state_dict(point.world_size, plan_state)
         slots = position // loader.batches_per_slot
         survivors = point.survivors(rounds.world_size)
-        rounds.continuation = continue_epoch(old, epoch, slots, survivors, averaged=point.stopped)
+        rounds.continuation = continue_epoch(old, epoch, slots, survivors, averaged=point.averaged or point.stopped)
         self._order = (epoch, list(restored["recovery"]["order"]))
 
     def order_for(self, epoch: int) -> list[int] | None:

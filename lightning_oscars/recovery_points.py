@@ -79,6 +79,9 @@ class RecoveryPoint:
     saved: tuple[SavedRank, ...]
     stopped: bool = False  # saved at a coordinated stop (SIGTERM), not a failure: every rank holds the same model
     model: str = ""  # what was trained (``model_fingerprint``): a point of another model is not this fit's
+    # Nothing was trained since the last averaging, which every rank took part in (a stop at a round boundary, a
+    # failure inside a validation or a checkpoint write): the lost ranks' work up to it is in every model.
+    averaged: bool = False
 
     def assigned(self, rank: int) -> SavedRank:
         """The state rank ``rank`` of the restarted world resumes from: the survivors' in turn (a world larger than
@@ -100,7 +103,7 @@ class RecoveryPoint:
     def from_json(cls, data: dict[str, Any]) -> RecoveryPoint:
         saved = tuple(SavedRank(**s) for s in data["saved"])
         fields = (data["directory"], data["global_step"], data["epoch"], data["world_size"])
-        return cls(*fields, saved, data["stopped"], data["model"])
+        return cls(*fields, saved, data["stopped"], data["model"], data.get("averaged", False))
 
 
 class RecoveryStore:
@@ -121,6 +124,7 @@ class RecoveryStore:
         round_units: int,
         stopped: bool = False,
         model: str = "",
+        averaged: bool = False,
     ) -> Path:
         """Write one survivor's state and then its entry (each under a temporary name first); returns the point."""
         point = self.root / f"{_POINT_PREFIX}{global_step:09d}"
@@ -133,6 +137,7 @@ class RecoveryStore:
             "world_size": world_size,
             "global_step": global_step,
             "stopped": stopped,
+            "averaged": averaged or stopped,
             "model": model,
             **asdict(SavedRank(rank, replica, round_units, str(path))),
         }
@@ -153,6 +158,12 @@ class RecoveryStore:
             if point is not None and (model is None or point.model == model):
                 return point
         return None
+
+    def incomplete(self, newer_than: RecoveryPoint | None) -> list[Path]:
+        """The points newer than ``newer_than`` (all, if ``None``) that hold no complete state: every survivor failed
+        while saving, or died before. They are ignored; the caller says so."""
+        step = -1 if newer_than is None else newer_than.global_step
+        return [d for d in self.points() if (_step_of(d) or -1) > step and read_point(d) is None]
 
     def discard(self, through_step: int | None = None) -> None:
         """Remove the points up to ``through_step`` (all of them by default)."""
@@ -176,17 +187,19 @@ def read_point(directory: Path) -> RecoveryPoint | None:
     if not entries:
         return None
     keys = [
-        (e["epoch"], e["world_size"], e["global_step"], bool(e.get("stopped")), e.get("model", "")) for e in entries
+        (e["epoch"], e["world_size"], e["global_step"], bool(e.get("stopped")), e.get("model", ""), e.get("averaged"))
+        for e in entries
     ]
-    epoch, world, step, stopped, model = max(set(keys), key=keys.count)
-    agreed = [e for e, key in zip(entries, keys) if key == (epoch, world, step, stopped, model)]
+    epoch, world, step, stopped, model, averaged = agreed_key = max(set(keys), key=keys.count)
+    averaged = bool(averaged)
+    agreed = [e for e, key in zip(entries, keys) if key == agreed_key]
     saved = tuple(
         sorted(
             (SavedRank(e["rank"], e["replica"], e["round_units"], e["checkpoint"]) for e in agreed),
             key=lambda s: s.rank,
         )
     )
-    return RecoveryPoint(str(directory), step, epoch, world, _distinct_replicas(saved), stopped, model)
+    return RecoveryPoint(str(directory), step, epoch, world, _distinct_replicas(saved), stopped, model, averaged)
 
 
 def _distinct_replicas(saved: Sequence[SavedRank]) -> tuple[SavedRank, ...]:

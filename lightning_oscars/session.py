@@ -18,6 +18,7 @@ One round, from Lightning's hook to the all-reduce and back::
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from lightning_oscars.agreement import MetricAgreement
 from lightning_oscars.averaging import agree_on_layout, averaged_tensors, optimizer_state_layout
 from lightning_oscars.callbacks import append_round_callbacks, insert_round_callbacks, without_callbacks
 from lightning_oscars.control import ControlData
-from lightning_oscars.faults import FailureBoard, name_the_failure
+from lightning_oscars.faults import FailureBoard, broke_a_collective, name_the_failure
 from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, training_set_size
 from lightning_oscars.recovery import RECOVERY_GRACE_S, FitRecovery
 from lightning_oscars.rounds import RoundController
@@ -357,11 +358,11 @@ class FitSession:
         s = self.strategy
         return name_the_failure(self.rounds, s.world_size, s.global_rank, error, self.rounds.num_averagings + 1, what)
 
-    def _save_for_recovery(self, trainer: Trainer, stopped: bool = False) -> str:
+    def _save_for_recovery(self, trainer: Trainer, stopped: bool = False, averaged: bool = False) -> str:
         """This survivor's state for a restart (``recovery.py``); what to add to the failure's message."""
         try:
-            recovery = self.recovery
-            saved = recovery.save(self.rounds, self.scheme, self.loader, trainer, stopped) if recovery else None
+            recovery, loader = self.recovery, self.loader
+            saved = recovery.save(self.rounds, self.scheme, loader, trainer, stopped, averaged) if recovery else None
         except Exception as error:  # noqa: BLE001 - the failure being reported matters more than this one
             return f"\nSaving this rank's state for a restart failed too: {type(error).__name__}: {error}"
         return "" if saved is None else f"\nThis rank's state is saved in {saved}: a restarted fit resumes from it."
@@ -374,6 +375,15 @@ class FitSession:
         if self.rounds.failed or isinstance(error, SIGTERMException):
             # SIGTERM is a coordinated stop (all ranks, same batch): collectives stay matched.
             return
+        if broke_a_collective(error) and trainer is not None:
+            # A peer died in a collective outside the averaging (a validation's metrics, a checkpoint's barrier).
+            # Those come right after an averaging: nothing trained since then means every model holds it.
+            averaged = not self.rounds.needs_average
+            self.rounds.failed = True
+            note = self._save_for_recovery(trainer, averaged=averaged)
+            if note:  # Lightning prints the error itself; where the state went, only this rank knows
+                rank = self.strategy.global_rank
+                print(f"oscars: rank {rank} lost a peer ({type(error).__name__}).{note}", file=sys.stderr, flush=True)
         self.rounds.failed = True
         board = FailureBoard.from_default_group(self.strategy.world_size)
         if board is not None:

@@ -2,13 +2,20 @@
 
 Usage: python tests/recovery_case.py OUT_DIR. Through Lightning's launcher (``OSCARS_TEST_DEVICES`` ranks, default 2)
 or torchrun (``OSCARS_TEST_TORCHRUN=1``). The fit trains the indexed blobs for two epochs, rank 1
-3x slower, saving nothing itself (``enable_checkpointing=False``): all it resumes from is the recovery point.
+3x slower, given no ``ckpt_path``: all it resumes from is the recovery point.
 
 * ``OSCARS_TEST_KILL=STEP``: global rank 1 kills itself with SIGKILL as global step STEP starts, once per OUT_DIR
   (the marker ``killed-STEP``); with ``OSCARS_TEST_KILL_AGENT=1`` its torchrun agent first (a node lost).
 * ``OSCARS_TEST_SIGTERM=STEP``: global rank 1 receives SIGTERM after global step STEP, once per OUT_DIR (a
   preemption notice: every rank stops at the next round boundary).
-* ``OSCARS_TEST_MODEL``: ``mlp`` (default) or ``batchnorm``.
+* ``OSCARS_TEST_KILL_IN``: global rank 1 kills itself (SIGKILL) inside its first ``validation`` batch, its first
+  ``checkpoint`` write, or its ``first`` training batch of this run (once per OUT_DIR each).
+* ``OSCARS_TEST_DIE_SAVING=1``: global rank 0 dies (SIGKILL) half-way through writing its recovery state.
+* ``OSCARS_TEST_MODEL``: ``mlp`` (default), ``batchnorm`` or ``frozen`` (its first layer frozen).
+* ``OSCARS_TEST_SLOWDOWN``: how much slower rank 1 is (default 3; 1: equal speeds).
+* ``OSCARS_TEST_VALIDATE=1``: validate twice an epoch (metrics logged with ``sync_dist``).
+* ``OSCARS_TEST_CHECKPOINT_EVERY=N``: a ``ModelCheckpoint`` saves every N steps (the fit still gets no ``ckpt_path``),
+  keeping the best 2 by ``val_loss`` when validating.
 
 Every rank appends each real step's sample indices to ``OUT_DIR/trained-<pid>.jsonl`` as it trains (a killed rank's
 file keeps what it trained), and a rank whose fit ended writes ``OUT_DIR/rank<global_rank>.json``.
@@ -17,6 +24,7 @@ file keeps what it trained), and a rank whose fit ended writes ``OUT_DIR/rank<gl
 from __future__ import annotations
 
 import faulthandler
+import io
 import json
 import os
 import signal
@@ -30,10 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
-from paradigm_models_case import IndexedModule  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from paradigm_models_case import IndexedBlobs, IndexedModule  # noqa: E402
 from torch import Tensor  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_oscars import HeterogeneityEmulator, OscarsStrategy  # noqa: E402
+from lightning_oscars import HeterogeneityEmulator, OscarsStrategy, recovery_points  # noqa: E402
 
 
 class RecordedModule(IndexedModule):
@@ -46,9 +56,56 @@ class RecordedModule(IndexedModule):
     def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = super().training_step(batch, batch_idx)
         line = {"epoch": self.current_epoch, "step": self.global_step, "indices": batch[2].tolist()}
+        line["rank"] = self.global_rank
         self.record.write(json.dumps(line) + "\n")
         self.record.flush()
         return loss
+
+
+class ValidatedModule(RecordedModule):
+    def validation_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedBlobs(16), batch_size=4)
+
+
+class KillIn(L.Callback):
+    """Global rank 1 dies (SIGKILL) in its first validation batch, checkpoint write or training batch of the run."""
+
+    def __init__(self, where: str, out: Path) -> None:
+        self.where, self.marker = where, out / f"killed-in-{where}"
+
+    def _die_in(self, where: str, trainer: L.Trainer) -> None:
+        if where == self.where and trainer.global_rank == 1 and not self.marker.exists():
+            self.marker.write_text("")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._die_in("validation", trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
+        self._die_in("checkpoint", trainer)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._die_in("first", trainer)
+
+
+def die_while_saving() -> None:
+    """Global rank 0's recovery state is cut off half-way: the process is killed while writing it."""
+    original = recovery_points._write_atomically
+
+    def write_half(path: Path, write: Any) -> None:
+        if path.suffix != ".ckpt" or int(os.environ.get("RANK", "0")) != 0:
+            return original(path, write)
+        buffer = io.BytesIO()
+        write(buffer)
+        with open(path.with_name(f".{path.name}.partial"), "wb") as f:
+            f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    recovery_points._write_atomically = write_half
 
 
 class KillAt(L.Callback):
@@ -83,12 +140,22 @@ def main() -> None:
     if dump_after > 0:  # a hang prints this rank's stacks and exits instead of waiting forever
         faulthandler.dump_traceback_later(dump_after, exit=True)
     L.seed_everything(0, verbose=False)
-    module = RecordedModule(os.environ.get("OSCARS_TEST_MODEL", "mlp"), out)
-    callbacks: list[L.Callback] = [HeterogeneityEmulator({1: 3.0})]
-    if "OSCARS_TEST_KILL" in os.environ:
-        callbacks.append(KillAt(int(os.environ["OSCARS_TEST_KILL"]), out))
-    if "OSCARS_TEST_SIGTERM" in os.environ:
-        callbacks.append(SigtermAfter(int(os.environ["OSCARS_TEST_SIGTERM"]), out))
+    env = os.environ
+    validate = env.get("OSCARS_TEST_VALIDATE") == "1"
+    module = (ValidatedModule if validate else RecordedModule)(env.get("OSCARS_TEST_MODEL", "mlp"), out)
+    callbacks: list[L.Callback] = [HeterogeneityEmulator({1: float(env.get("OSCARS_TEST_SLOWDOWN", "3"))})]
+    if "OSCARS_TEST_KILL" in env:
+        callbacks.append(KillAt(int(env["OSCARS_TEST_KILL"]), out))
+    if "OSCARS_TEST_KILL_IN" in env:
+        callbacks.append(KillIn(env["OSCARS_TEST_KILL_IN"], out))
+    if "OSCARS_TEST_SIGTERM" in env:
+        callbacks.append(SigtermAfter(int(env["OSCARS_TEST_SIGTERM"]), out))
+    if env.get("OSCARS_TEST_DIE_SAVING") == "1":
+        die_while_saving()
+    every = int(env.get("OSCARS_TEST_CHECKPOINT_EVERY", "0"))
+    if every:
+        kept = {"monitor": "val_loss", "save_top_k": 2} if validate else {"save_top_k": -1}
+        callbacks.append(ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=every, **kept))
     torchrun = os.environ.get("OSCARS_TEST_TORCHRUN") == "1"
     trainer = L.Trainer(
         strategy=OscarsStrategy(timeout=__import__("datetime").timedelta(seconds=30)),
@@ -99,7 +166,8 @@ def main() -> None:
         callbacks=callbacks,
         default_root_dir=out,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=every > 0,
+        val_check_interval=0.5 if validate else None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -114,8 +182,9 @@ def main() -> None:
         "weights": torch.cat([t.detach().float().reshape(-1) for t in module.state_dict().values()]).tolist(),
         "averagings": len(strategy.history),
         "recovery_left": sorted(p.name for p in (out / "oscars-recovery").glob("*")),
+        "checkpoint_callback": trainer.checkpoint_callback.state_dict() if every else None,
     }
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result, default=lambda t: t.tolist()))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,16 @@ def test_a_stop_after_an_averaging_consumed_exactly_the_rounds_before_it():
     assert ended.consumed == 60
 
 
+def test_a_failure_inside_a_validation_after_its_averaging_keeps_every_ranks_averaged_units():
+    plan, rnd = failed_at_round_end()
+    plan.progress = (2, 1, 0)  # what ranks 0, 1, 2 had trained when the validation two slots in averaged
+    going_on = continue_epoch(plan, 0, rnd.start_slot + 2, [Survivor(0, 2)], averaged=True)
+    kept = plan.reserved_units(0, rnd)[:2] + plan.reserved_units(1, rnd)[:1]
+    before = [plan.unit(p) for p in range(rnd.first_unit)]
+    assert sorted(going_on.order[: going_on.consumed]) == sorted(before + kept)
+    assert going_on.retrained == ()  # the lost rank had trained nothing after the averaging: nothing of it is lost
+
+
 def test_a_settled_deadline_order_is_followed():
     plan = EpochPlan(2, 40, 40, (2, 1), reserve=(3, 2))
     first = plan.rounds[0]

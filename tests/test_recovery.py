@@ -114,6 +114,61 @@ def test_a_restart_loop_around_lightnings_launcher_goes_on_after_each_lost_rank(
     _assert_recovered(out, killed, ranks=2)
 
 
+@pytest.fixture(scope="module")
+def failures_everywhere(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, set[int]]]]:
+    """Other shapes (a frozen layer, equal speeds, validation twice an epoch, a ModelCheckpoint every 5 steps) and
+    other failure points, each run restarted: rank 1 killed at step 4 and rank 0 killed while writing its state (no
+    complete point); rank 1 killed inside a validation; inside a checkpoint write; at the first batch of a restarted
+    fit (a second failure in a row, before any round of it ended); then to the end."""
+    out = tmp_path_factory.mktemp("failures_everywhere")
+    shape = {"OSCARS_TEST_MODEL": "frozen", "OSCARS_TEST_SLOWDOWN": "1", "OSCARS_TEST_VALIDATE": "1"}
+    events: list[dict[str, str]] = [
+        {"OSCARS_TEST_KILL": "4", "OSCARS_TEST_DIE_SAVING": "1"},
+        {"OSCARS_TEST_KILL_IN": "validation"},
+        {"OSCARS_TEST_KILL_IN": "checkpoint"},
+        {"OSCARS_TEST_KILL_IN": "first"},
+        {},
+    ]
+    runs = []
+    for event in events:
+        seen = {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")}
+        env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_CHECKPOINT_EVERY="5", **shape, **event)
+        env["PYTHONWARNINGS"] = "ignore,default:oscars"  # the strategy's own warnings are shown
+        code, log = _run([sys.executable, CASE, str(out)], env)
+        new = {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")} - seen
+        # The processes whose work is lost: both of the first run (no complete point), rank 1's of the others.
+        lost = new if "OSCARS_TEST_DIE_SAVING" in event else {pid for pid in new if _rank_of(out, pid) == 1}
+        runs.append((code, log, lost if event else set()))
+    return out, runs
+
+
+def test_failures_inside_validation_checkpoint_writes_saving_and_twice_in_a_row_lose_only_the_dead_ranks_work(
+    failures_everywhere,
+):
+    out, runs = failures_everywhere
+    codes = [code for code, _, _ in runs]
+    assert all(code != 0 for code in codes[:-1]) and codes[-1] == 0, [log[-3000:] for _, log, _ in runs]
+    logs = [log for _, log, _ in runs]
+    # Rank 0 died writing its state: the restart ignores the half-written point, says so, and starts afresh.
+    assert "This rank's state is saved in" not in logs[0]
+    assert "ignoring the recovery point" in logs[1] and _restored_step(logs[1]) is None, logs[1][-3000:]
+    # Every later failure (inside a validation, a checkpoint write, before a restarted fit's first round ended)
+    # saved a point, and the next run resumed from it.
+    for log in logs[1:4]:
+        assert "This rank's state is saved in" in log, log[-3000:]
+    points = [_restored_step(log) for log in logs[2:]]
+    assert None not in points and points == sorted(points), points
+    results = _assert_recovered(out, set().union(*(lost for _, _, lost in runs)), ranks=2)
+    # Callback state is one state: the checkpoint bookkeeping agrees on every rank after three recoveries.
+    states = [r["checkpoint_callback"] for r in results]
+    assert states[0]["best_k_models"] and all(state == states[0] for state in states), states
+
+
+def _rank_of(out: Path, pid: int) -> int | None:
+    lines = (out / f"trained-{pid}.jsonl").read_text().splitlines()
+    return json.loads(lines[0])["rank"] if lines else None
+
+
 def _restored_step(log: str) -> int | None:
     """The global step of the recovery point a run restored from (``None``: it restored from none)."""
     found = re.search(re.escape(RESTORED) + r"\S*oscars-recovery/step-(\d+)/", log)

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from lightning_oscars.recovery_points import RecoveryPoint, RecoveryStore, model_fingerprint
+from lightning_oscars.recovery_points import RecoveryPoint, RecoveryStore, model_fingerprint, read_point
 
 
 def save(store: RecoveryStore, rank: int, step: int = 7, epoch: int = 0, world: int = 3, units: int = 2) -> None:
@@ -40,6 +40,16 @@ def test_a_half_written_state_is_ignored_and_an_empty_point_skipped(tmp_path):
     (newest / "rank-3.json").write_text("{not json")
     point = store.latest()
     assert point is not None and point.global_step == 5 and [s.rank for s in point.saved] == [0]
+    assert store.incomplete(point) == [newest]  # what the restart warns it ignored
+    assert store.incomplete(None) == [newest]
+
+
+def test_a_point_after_an_averaging_says_so_and_a_stop_is_one(tmp_path):
+    store = RecoveryStore(tmp_path)
+    for rank, step, flags in ((0, 4, {}), (0, 6, {"averaged": True}), (0, 8, {"stopped": True})):
+        store.save({}, rank=rank, replica=rank, world_size=2, global_step=step, epoch=0, round_units=0, **flags)
+    points = [read_point(d) for d in reversed(store.points())]
+    assert [(p.averaged, p.stopped) for p in points if p] == [(False, False), (True, False), (True, True)]
 
 
 def test_entries_that_disagree_with_the_point_are_left_out(tmp_path):
@@ -81,3 +91,26 @@ def test_a_point_of_another_model_is_not_this_fits(tmp_path):
     assert store.latest(model_fingerprint(large)) is None
     point = store.latest(model_fingerprint(small))
     assert point is not None and point.model == model_fingerprint(small)
+
+
+def test_a_survivors_random_generators_are_restored_from_a_weights_only_load(tmp_path):
+    import io
+    import random
+
+    import numpy as np
+
+    from lightning_oscars.adapter import LightningAdapter
+    from lightning_oscars.recovery import FitRecovery
+    from lightning_oscars.recovery_points import SavedRank
+
+    saved = io.BytesIO()
+    torch.save({"recovery": {"rng": LightningAdapter.rng_states()}}, saved)
+    expected = (torch.rand(3).tolist(), np.random.rand(), random.random())
+    point = RecoveryPoint(str(tmp_path), 7, 0, 2, (SavedRank(0, 0, 1, "rank-0.ckpt"),))
+    for rank, restored in ((0, True), (1, False)):  # rank 1 resumes from a copy of rank 0's state: not its own
+        torch.manual_seed(rank + 100), np.random.seed(rank + 100), random.seed(rank + 100)
+        saved.seek(0)
+        state = torch.load(saved, weights_only=True)  # as Lightning restores a checkpoint
+        FitRecovery(RecoveryStore(tmp_path), point, rank).resume(None, None, state, 0, None, None)  # type: ignore[arg-type]
+        drawn = (torch.rand(3).tolist(), np.random.rand(), random.random())
+        assert (drawn == expected) is restored
