@@ -16,7 +16,7 @@ of units puts the consumed ones first, and the slots already run stay behind it 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,6 +78,11 @@ class EpochContinuation:
     def fits(self, epoch: int, total_units: int) -> bool:
         """Whether it continues ``epoch`` of ``total_units`` units (else the epoch is planned afresh)."""
         return epoch == self.epoch and total_units == len(self.order)
+
+    def slot_bound(self, bound_of: Callable[[int], int]) -> int:
+        """The most slots the continued epoch can take: those run, then the most the units left can take
+        (``bound_of(units)``); more than a whole epoch's bound when the failed round came late in it."""
+        return self.slots + bound_of(len(self.order) - self.consumed)
 
     def left(self, bound: int) -> tuple[int, int]:
         """The units still to train, and the slots left of an epoch of at most ``bound`` slots."""

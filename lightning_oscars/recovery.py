@@ -9,8 +9,9 @@
 * :meth:`FitRecovery.resume` and :meth:`FitRecovery.merge` (training start of the restarted fit): the epoch's plan
   continues where the failed round left it, and the survivors' models are merged in one weighted all-reduce.
 
-What it covers: ``oscars``, ``local_sgd`` and ``oscars_alg1`` with plain rounds and one rank per replica. With
-deadline rounds, replica groups or a paradigm, a failed round saves nothing (the failure stops the fit as before).
+What it covers: ``oscars``, ``local_sgd`` and ``oscars_alg1`` with plain rounds, with or without replica groups (a
+replica that lost a rank mid-round is lost: its other ranks fail inside a step, at another slot than the rest, and
+save nothing). With deadline rounds or a paradigm, a failed round saves nothing (the failure stops the fit as before).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def find_recovery_point(strategy: Any, trainer: Trainer | None) -> RecoveryPoint
     # A checkpoint the fit was given wins if written after a failure's point (the same answer on every rank: one
     # time), and always over a coordinated stop's (the user's own checkpoint of that stop is as good).
     written = float("-inf") if point.stopped else min(os.path.getmtime(s.checkpoint) for s in point.saved)
-    LightningAdapter.resume_from_unless_given(trainer, point.assigned(rank).checkpoint, given_before=written)
+    mine = point.assigned(rank, strategy.layout.replica_size).checkpoint
+    LightningAdapter.resume_from_unless_given(trainer, mine, given_before=written)
     rank_zero_warn(
         f"oscars: resuming from the recovery point the survivors of a failed round saved at global step"
         f" {point.global_step} (epoch {point.epoch}; {len(point.saved)} of {point.world_size} ranks' states) in"
@@ -89,19 +91,21 @@ class FitRecovery:
         store: where recovery points are written.
         point: the point this fit resumes from (``None``: it starts as usual).
         rank: this rank's global rank.
+        replica_size: the ranks of a replica (one state per replica).
     """
 
-    def __init__(self, store: RecoveryStore, point: RecoveryPoint | None, rank: int) -> None:
+    def __init__(self, store: RecoveryStore, point: RecoveryPoint | None, rank: int, replica_size: int = 1) -> None:
         self.store = store
         self.point = point
         self.rank = rank
+        self.replica_size = replica_size
         self.merged = False  # the survivors' models were merged (the point is this fit's past from then on)
         self._order: tuple[int, list[int]] | None = None  # the resumed epoch's order of samples
 
     @staticmethod
     def covers(rounds: RoundController, scheme: SyncScheme) -> bool:
         """Whether a failed round of this fit can be recovered from (see the module docstring)."""
-        return rounds.pacer is None and rounds.replica_size == 1 and not scheme.waits_within_rounds
+        return rounds.pacer is None and not scheme.waits_within_rounds
 
     def save(
         self,
@@ -156,7 +160,7 @@ class FitRecovery:
         inside it; after a failure at the epoch's end, the next epoch starts whole)."""
         point = self.point
         assert point is not None
-        if point.merge_weight(self.rank) > 0 and "rng" in restored["recovery"]:  # its own state, not a copy's
+        if point.merge_weight(self.rank, self.replica_size) > 0 and "rng" in restored["recovery"]:  # not a copy
             LightningAdapter.restore_rng_states(restored["recovery"]["rng"])
         plan_state = restored.get("plan")
         if loader is None or position is None or epoch != point.epoch or plan_state is None:
@@ -176,7 +180,7 @@ class FitRecovery:
     def merge(self, tensors: list[torch.Tensor], device: torch.device) -> None:
         """The restarted fit's first collective: the survivors' models merged (every rank, one all-reduce)."""
         assert self.point is not None
-        weight = self.point.merge_weight(self.rank)
+        weight = self.point.merge_weight(self.rank, self.replica_size)
         averager = FlatAverager(tensors, 1, device)
         averager.all_reduce(weight, [weight], 0)
         self.merged = True

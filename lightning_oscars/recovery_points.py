@@ -83,14 +83,16 @@ class RecoveryPoint:
     # failure inside a validation or a checkpoint write): the lost ranks' work up to it is in every model.
     averaged: bool = False
 
-    def assigned(self, rank: int) -> SavedRank:
-        """The state rank ``rank`` of the restarted world resumes from: the survivors' in turn (a world larger than
-        the survivors, a node back, starts its extra ranks from copies; the merge gives them no weight)."""
-        return self.saved[rank % len(self.saved)]
+    def assigned(self, rank: int, replica_size: int = 1) -> SavedRank:
+        """The state rank ``rank`` of the restarted world (replicas of ``replica_size`` ranks) resumes from: its
+        replica's, the survivors' in turn (a world larger than the survivors, a node back, starts its extra replicas
+        from copies; the merge gives them no weight)."""
+        return self.saved[(rank // replica_size) % len(self.saved)]
 
-    def merge_weight(self, rank: int) -> float:
-        """Rank ``rank``'s weight in the merge of the survivors' models (one per survivor's state)."""
-        return 1.0 if rank < len(self.saved) else 0.0
+    def merge_weight(self, rank: int, replica_size: int = 1) -> float:
+        """Rank ``rank``'s weight in the merge of the survivors' models: one per survivor's state, carried by the
+        first rank of the replica that resumes from it."""
+        return 1.0 if rank % replica_size == 0 and rank // replica_size < len(self.saved) else 0.0
 
     def survivors(self, ranks: int) -> list[Survivor]:
         """The survivors whose models a restarted world of ``ranks`` ranks merges."""

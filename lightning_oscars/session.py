@@ -91,6 +91,9 @@ class FitSession:
         self._trainer: Trainer | None = None
         self._callbacks: list[Callback] = []
         self._validation_started: float | None = None
+        # Inside a training step (its hooks included): a collective breaking there (a replica's gradient all-reduce, a
+        # collective of the user's) may leave the survivors at different slots, so it saves no recovery point.
+        self._in_step = False
 
     # ------------------------------------------------------------------ the session's lifecycle
 
@@ -188,6 +191,9 @@ class FitSession:
         if recovery is not None and restored is not None:  # a new world: fresh schedule, the survivors merged
             recovery.resume(self.rounds, loader, restored, trainer.current_epoch, position, units)
             recovery.merge(self._synchronized_tensors(trainer), self.strategy.root_device)
+            going_on = self.rounds.continuation
+            if going_on is not None and loader is not None:
+                self._bound_epoch(loader, at_least=going_on.slot_bound(self.rounds.epoch_slot_bound))
         if position is not None:
             self.prepare_epoch(trainer, resume_at=position)
 
@@ -232,8 +238,12 @@ class FitSession:
         self.adapter.start_epoch()
         self.adapter.size_epoch(trainer, plan.total_slots * loader.batches_per_slot)
 
+    def start_step(self) -> None:
+        self._in_step = True
+
     def finish_slot(self, trainer: Trainer, batch_idx: int) -> None:
         """A batch finished its hooks: maybe end the round."""
+        self._in_step = False
         if trainer.should_stop:  # a rank-local stop request waits for the round boundary
             self.rounds.ledger.request_stop()
             trainer.should_stop = False
@@ -375,16 +385,16 @@ class FitSession:
         if self.rounds.failed or isinstance(error, SIGTERMException):
             # SIGTERM is a coordinated stop (all ranks, same batch): collectives stay matched.
             return
-        if broke_a_collective(error) and trainer is not None:
-            # A peer died in a collective outside the averaging (a validation's metrics, a checkpoint's barrier).
-            # Those come right after an averaging: nothing trained since then means every model holds it.
-            averaged = not self.rounds.needs_average
-            self.rounds.failed = True
+        averaged = not self.rounds.needs_average  # none trained since the last averaging (one before a validation)
+        self.rounds.failed = True
+        if not broke_a_collective(error):  # this rank's own error: the others name it when their collectives break
+            board = FailureBoard.from_default_group(self.strategy.world_size)
+            if board is not None:
+                board.report_error(self.strategy.global_rank, error)
+        elif trainer is not None and not self._in_step:
+            # A peer died in a collective between steps other than the averaging (step values' agreement, validation
+            # metrics, a checkpoint's barrier): every rank runs those at the same slot, so every survivor is there.
             note = self._save_for_recovery(trainer, averaged=averaged)
             if note:  # Lightning prints the error itself; where the state went, only this rank knows
                 rank = self.strategy.global_rank
                 print(f"oscars: rank {rank} lost a peer ({type(error).__name__}).{note}", file=sys.stderr, flush=True)
-        self.rounds.failed = True
-        board = FailureBoard.from_default_group(self.strategy.world_size)
-        if board is not None:
-            board.report_error(self.strategy.global_rank, error)

@@ -294,7 +294,8 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         rounds.begin_fit(trainer.max_steps)
         restored, self._restored = self._restored, None
         store = recovery_store(trainer, self.recovery_dir) if self.recovery else None
-        recovery = FitRecovery(store, self._recovery_point, self.global_rank) if store is not None else None
+        point, rank = self._recovery_point, self.global_rank
+        recovery = FitRecovery(store, point, rank, self._layout.replica_size) if store is not None else None
         self._session = self._make_session(scheme, rounds, restored=restored, recovery=recovery)
         self._session.begin(trainer, monitor=self.monitor)
 

@@ -4,8 +4,10 @@ Usage: python tests/recovery_case.py OUT_DIR. Through Lightning's launcher (``OS
 or torchrun (``OSCARS_TEST_TORCHRUN=1``). The fit trains the indexed blobs for two epochs, rank 1
 3x slower, given no ``ckpt_path``: all it resumes from is the recovery point.
 
-* ``OSCARS_TEST_KILL=STEP``: global rank 1 kills itself with SIGKILL as global step STEP starts, once per OUT_DIR
-  (the marker ``killed-STEP``); with ``OSCARS_TEST_KILL_AGENT=1`` its torchrun agent first (a node lost).
+* ``OSCARS_TEST_KILL=STEP``: global rank 1 (``OSCARS_TEST_KILL_RANK``) kills itself with SIGKILL as global step STEP
+  starts, once per OUT_DIR (the marker ``killed-STEP``); with ``OSCARS_TEST_KILL_AGENT=1`` its torchrun agent first
+  (a node lost).
+* ``OSCARS_TEST_REPLICA_SIZE``: ranks per replica (default 1).
 * ``OSCARS_TEST_SIGTERM=STEP``: global rank 1 receives SIGTERM after global step STEP, once per OUT_DIR (a
   preemption notice: every rank stops at the next round boundary).
 * ``OSCARS_TEST_KILL_IN``: global rank 1 kills itself (SIGKILL) inside its first ``validation`` batch, its first
@@ -109,13 +111,13 @@ def die_while_saving() -> None:
 
 
 class KillAt(L.Callback):
-    """Global rank 1 dies (SIGKILL, no cleanup) when ``step`` starts, once per output directory."""
+    """Global rank ``rank`` dies (SIGKILL, no cleanup) when ``step`` starts, once per output directory."""
 
-    def __init__(self, step: int, out: Path) -> None:
-        self.step, self.marker = step, out / f"killed-{step}"
+    def __init__(self, step: int, out: Path, rank: int = 1) -> None:
+        self.step, self.marker, self.rank = step, out / f"killed-{step}", rank
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_rank == 1 and trainer.global_step == self.step and not self.marker.exists():
+        if trainer.global_rank == self.rank and trainer.global_step == self.step and not self.marker.exists():
             self.marker.write_text("")
             if os.environ.get("OSCARS_TEST_KILL_AGENT") == "1":  # the whole node: torchrun's agent, then the rank
                 os.kill(os.getppid(), signal.SIGKILL)
@@ -145,7 +147,7 @@ def main() -> None:
     module = (ValidatedModule if validate else RecordedModule)(env.get("OSCARS_TEST_MODEL", "mlp"), out)
     callbacks: list[L.Callback] = [HeterogeneityEmulator({1: float(env.get("OSCARS_TEST_SLOWDOWN", "3"))})]
     if "OSCARS_TEST_KILL" in env:
-        callbacks.append(KillAt(int(env["OSCARS_TEST_KILL"]), out))
+        callbacks.append(KillAt(int(env["OSCARS_TEST_KILL"]), out, int(env.get("OSCARS_TEST_KILL_RANK", "1"))))
     if "OSCARS_TEST_KILL_IN" in env:
         callbacks.append(KillIn(env["OSCARS_TEST_KILL_IN"], out))
     if "OSCARS_TEST_SIGTERM" in env:
@@ -158,7 +160,10 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=every, **kept))
     torchrun = os.environ.get("OSCARS_TEST_TORCHRUN") == "1"
     trainer = L.Trainer(
-        strategy=OscarsStrategy(timeout=__import__("datetime").timedelta(seconds=30)),
+        strategy=OscarsStrategy(
+            timeout=__import__("datetime").timedelta(seconds=30),
+            replica_size=int(env.get("OSCARS_TEST_REPLICA_SIZE", "1")),
+        ),
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else int(os.environ.get("OSCARS_TEST_DEVICES", "2")),
         num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else 1,

@@ -124,6 +124,22 @@ def test_the_round_controller_plans_the_continued_epoch_once():
     assert rounds.plan_epoch(4, 50, bound=100).order is None, "another epoch is planned whole"
 
 
+def test_a_failure_late_in_an_epoch_gets_the_slots_its_rest_needs():
+    rounds = RoundController(SchedulePolicy("exact", max_local_steps=4), 2, 0)
+    rounds.begin_fit()
+    whole = rounds.epoch_slot_bound(8)  # the loader's length for a whole epoch of 8 units
+    # The failed round was the epoch's last: its slots are run, and the lost rank's 6 units are still to train.
+    going_on = EpochContinuation(1, tuple(range(8)), consumed=2, slots=whole - 2)
+    too_short = RoundController(SchedulePolicy("exact", max_local_steps=4), 2, 0)
+    too_short.begin_fit()
+    too_short.continuation = going_on
+    cut = too_short.plan_epoch(1, 8, bound=whole)
+    assert len(trained_from(cut, going_on.slots, 2)) < 6, "a whole epoch's length cannot hold the rest"
+    rounds.continuation = going_on
+    plan = rounds.plan_epoch(1, 8, bound=going_on.slot_bound(rounds.epoch_slot_bound))
+    assert sorted(trained_from(plan, going_on.slots, 2)) == list(range(2, 8))
+
+
 def test_bad_continuations_are_refused():
     plan, rnd = failed_at_round_end()
     with pytest.raises(ValueError, match="no rank survived"):

@@ -164,6 +164,21 @@ def test_failures_inside_validation_checkpoint_writes_saving_and_twice_in_a_row_
     assert states[0]["best_k_models"] and all(state == states[0] for state in states), states
 
 
+def test_with_replica_groups_a_replica_is_the_unit_lost(tmp_path):
+    """Four ranks in two replicas of two (``replica_size=2``); rank 2 is SIGKILLed mid-epoch. Its replica's other rank
+    fails inside a step's gradient all-reduce and saves nothing; replica 0's ranks save at the averaging. The restart
+    (four ranks) resumes replica 0 from its state and replica 1 from a copy, merged with no weight."""
+    env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_DEVICES="4", OSCARS_TEST_REPLICA_SIZE="2")
+    code, log = _run(
+        [sys.executable, CASE, str(tmp_path)], {**env, "OSCARS_TEST_KILL": "6", "OSCARS_TEST_KILL_RANK": "2"}
+    )
+    assert code != 0 and log.count("This rank's state is saved in") == 2, log[-4000:]
+    lost = {pid for pid in _pids_by_last_step(tmp_path) if _rank_of(tmp_path, pid) in (2, 3)}
+    code, log = _run([sys.executable, CASE, str(tmp_path)], env)
+    assert code == 0 and _restored_step(log) is not None, log[-4000:]
+    _assert_recovered(tmp_path, lost, ranks=4)
+
+
 def _rank_of(out: Path, pid: int) -> int | None:
     lines = (out / f"trained-{pid}.jsonl").read_text().splitlines()
     return json.loads(lines[0])["rank"] if lines else None

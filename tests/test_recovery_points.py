@@ -68,6 +68,10 @@ def test_one_state_per_replica(tmp_path):
         store.save(state, rank=rank, replica=rank // 2, world_size=2, global_step=1, epoch=0, round_units=1)
     point = store.latest()
     assert point is not None and [(s.rank, s.replica) for s in point.saved] == [(0, 0), (2, 1)]
+    # A restart of three replicas of two ranks: each replica resumes from one state, the third from a copy; the merge
+    # counts each state once, through its replica's first rank.
+    assert [point.assigned(r, replica_size=2).rank for r in range(6)] == [0, 0, 2, 2, 0, 0]
+    assert [point.merge_weight(r, replica_size=2) for r in range(6)] == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def test_discarding_removes_points_up_to_a_step(tmp_path):
