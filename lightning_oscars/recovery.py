@@ -9,9 +9,9 @@
 * :meth:`FitRecovery.resume` and :meth:`FitRecovery.merge` (training start of the restarted fit): the epoch's plan
   continues where the failed round left it, and the survivors' models are merged in one weighted all-reduce.
 
-What it covers: ``oscars``, ``local_sgd`` and ``oscars_alg1`` with plain rounds, with or without replica groups (a
-replica that lost a rank mid-round is lost: its other ranks fail inside a step, at another slot than the rest, and
-save nothing). With deadline rounds or a paradigm, a failed round saves nothing (the failure stops the fit as before).
+What it covers: ``oscars``, ``local_sgd`` and ``oscars_alg1``, plain or deadline rounds, with or without replica
+groups (a replica that lost a rank mid-round is lost: its other ranks fail inside a step, at another slot than the
+rest, and save nothing). With a paradigm (a parameter server, ripples), a failed round saves nothing.
 """
 
 from __future__ import annotations

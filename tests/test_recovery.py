@@ -79,14 +79,17 @@ def _killed_pids(out: Path, before: set[int]) -> set[int]:
 
 @pytest.fixture(scope="module")
 def restart_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, set[int]]]]:
-    """Lightning's launcher in a restart loop: 2 ranks, rank 1 killed at step 6 (the warm-up round); again 2 ranks,
+    """Lightning's launcher in a restart loop, deadline rounds (each rank trains until the round's deadline, its
+    reservation settled at the averaging): 2 ranks, rank 1 killed at step 6 (the warm-up round); again 2 ranks,
     stopped by SIGTERM on rank 1 after step 10 (a preemption right after a recovery: every rank saves at the round
     boundary); 2 ranks, rank 1 killed at step 20 (the second epoch); then 2 ranks to the end."""
     out = tmp_path_factory.mktemp("restart_loop")
     runs = []
     for event in ("KILL=6", "SIGTERM=10", "KILL=20", None):
         seen = {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")}
-        env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_MODEL="batchnorm")
+        env = clean_env(
+            OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_MODEL="batchnorm", OSCARS_TEST_DEADLINE="1"
+        )
         if event is not None:
             name, step = event.split("=")
             env[f"OSCARS_TEST_{name}"] = step
