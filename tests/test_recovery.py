@@ -77,13 +77,28 @@ def _killed_pids(out: Path, before: set[int]) -> set[int]:
     return {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")} - before
 
 
+Runs = list[
+    tuple[int, str, set[int]]
+]  # per run of a sequence: its exit code, its log, the processes whose work is lost
+
+
 @pytest.fixture(scope="module")
-def restart_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, set[int]]]]:
+def sequences(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Runs]]:
+    """The three restart sequences below, run side by side (their ranks mostly sleep, as on a GPU; each sequence's
+    runs one after the other): ``name -> (output directory, runs)``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    made = {"restart_loop": _restart_loop, "failures_everywhere": _failures_everywhere, "replicas": _replica_runs}
+    with ThreadPoolExecutor(max_workers=len(made)) as pool:
+        futures = {name: pool.submit(run, tmp_path_factory.mktemp(name)) for name, run in made.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _restart_loop(out: Path) -> tuple[Path, Runs]:
     """Lightning's launcher in a restart loop, deadline rounds (each rank trains until the round's deadline, its
     reservation settled at the averaging): 2 ranks, rank 1 killed at step 6 (the warm-up round); again 2 ranks,
     stopped by SIGTERM on rank 1 after step 10 (a preemption right after a recovery: every rank saves at the round
     boundary); 2 ranks, rank 1 killed at step 20 (the second epoch); then 2 ranks to the end."""
-    out = tmp_path_factory.mktemp("restart_loop")
     runs = []
     for event in ("KILL=6", "SIGTERM=10", "KILL=20", None):
         seen = {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")}
@@ -100,8 +115,8 @@ def restart_loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[t
     return out, runs
 
 
-def test_a_restart_loop_around_lightnings_launcher_goes_on_after_each_lost_rank(restart_loop):
-    out, runs = restart_loop
+def test_a_restart_loop_around_lightnings_launcher_goes_on_after_each_lost_rank(sequences):
+    out, runs = sequences["restart_loop"]
     (first, log1, _), (_, log2, _), (third, log3, _), (last, log4, _) = runs
     assert first != 0 and "This rank's state is saved in" in log1, log1[-3000:]
     assert third != 0 and "This rank's state is saved in" in log3, log3[-3000:]
@@ -117,13 +132,11 @@ def test_a_restart_loop_around_lightnings_launcher_goes_on_after_each_lost_rank(
     _assert_recovered(out, killed, ranks=2)
 
 
-@pytest.fixture(scope="module")
-def failures_everywhere(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, str, set[int]]]]:
+def _failures_everywhere(out: Path) -> tuple[Path, Runs]:
     """Other shapes (a frozen layer, equal speeds, validation twice an epoch, a ModelCheckpoint every 5 steps) and
     other failure points, each run restarted: rank 1 killed at step 4 and rank 0 killed while writing its state (no
     complete point); rank 1 killed inside a validation; inside a checkpoint write; at the first batch of a restarted
     fit (a second failure in a row, before any round of it ended); then to the end."""
-    out = tmp_path_factory.mktemp("failures_everywhere")
     shape = {"OSCARS_TEST_MODEL": "frozen", "OSCARS_TEST_SLOWDOWN": "1", "OSCARS_TEST_VALIDATE": "1"}
     events: list[dict[str, str]] = [
         {"OSCARS_TEST_KILL": "4", "OSCARS_TEST_DIE_SAVING": "1"},
@@ -146,9 +159,9 @@ def failures_everywhere(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path,
 
 
 def test_failures_inside_validation_checkpoint_writes_saving_and_twice_in_a_row_lose_only_the_dead_ranks_work(
-    failures_everywhere,
+    sequences,
 ):
-    out, runs = failures_everywhere
+    out, runs = sequences["failures_everywhere"]
     codes = [code for code, _, _ in runs]
     assert all(code != 0 for code in codes[:-1]) and codes[-1] == 0, [log[-3000:] for _, log, _ in runs]
     logs = [log for _, log, _ in runs]
@@ -167,19 +180,22 @@ def test_failures_inside_validation_checkpoint_writes_saving_and_twice_in_a_row_
     assert states[0]["best_k_models"] and all(state == states[0] for state in states), states
 
 
-def test_with_replica_groups_a_replica_is_the_unit_lost(tmp_path):
-    """Four ranks in two replicas of two (``replica_size=2``); rank 2 is SIGKILLed mid-epoch. Its replica's other rank
-    fails inside a step's gradient all-reduce and saves nothing; replica 0's ranks save at the averaging. The restart
-    (four ranks) resumes replica 0 from its state and replica 1 from a copy, merged with no weight."""
+def _replica_runs(out: Path) -> tuple[Path, Runs]:
+    """Four ranks in two replicas of two (``replica_size=2``); rank 2 is SIGKILLed mid-epoch; then to the end."""
     env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_DEVICES="4", OSCARS_TEST_REPLICA_SIZE="2")
-    code, log = _run(
-        [sys.executable, CASE, str(tmp_path)], {**env, "OSCARS_TEST_KILL": "6", "OSCARS_TEST_KILL_RANK": "2"}
-    )
-    assert code != 0 and log.count("This rank's state is saved in") == 2, log[-4000:]
-    lost = {pid for pid in _pids_by_last_step(tmp_path) if _rank_of(tmp_path, pid) in (2, 3)}
-    code, log = _run([sys.executable, CASE, str(tmp_path)], env)
-    assert code == 0 and _restored_step(log) is not None, log[-4000:]
-    _assert_recovered(tmp_path, lost, ranks=4)
+    code, log = _run([sys.executable, CASE, str(out)], {**env, "OSCARS_TEST_KILL": "6", "OSCARS_TEST_KILL_RANK": "2"})
+    lost = {pid for pid in _pids_by_last_step(out) if _rank_of(out, pid) in (2, 3)}
+    return out, [(code, log, lost), (*_run([sys.executable, CASE, str(out)], env), set())]
+
+
+def test_with_replica_groups_a_replica_is_the_unit_lost(sequences):
+    """Rank 2's replica partner fails inside a step's gradient all-reduce and saves nothing; replica 0's ranks save
+    at the averaging. The restart (four ranks) resumes replica 0 from its state and replica 1 from a copy, merged
+    with no weight."""
+    out, ((first, log1, lost), (last, log2, _)) = sequences["replicas"]
+    assert first != 0 and log1.count("This rank's state is saved in") == 2, log1[-4000:]
+    assert last == 0 and _restored_step(log2) is not None, log2[-4000:]
+    _assert_recovered(out, lost, ranks=4)
 
 
 def _rank_of(out: Path, pid: int) -> int | None:
