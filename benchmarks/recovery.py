@@ -1,8 +1,9 @@
 """What a lost rank costs: oscars' recovery against restarting from the last checkpoint, and an undisturbed run.
 
-    python -m benchmarks.recovery [--runs 3] [--kill-step 90] [--name recovery]
+    python -m benchmarks.recovery [--runs 3] [--kill-step 90] [--regime gpu-like|cpu] [--name recovery]
 
-Two ranks through Lightning's launcher (rank 1 3x slower, GPU-like regime on scikit-learn's digits, 6 epochs). Rank 1
+Two ranks through Lightning's launcher (rank 1 3x slower on scikit-learn's digits, 6 epochs; GPU-like: every step
+mostly a 60 ms sleep; cpu: the CNN's real compute, rank 1's slowdown a sleep of twice its measured step). Rank 1
 is SIGKILLed at global step ``--kill-step`` (mid-way through the third epoch; 5 steps later in each further run, so
 that it dies at another point of its round), and a loop restarts the job at once:
 
@@ -40,9 +41,13 @@ SCENARIOS = {
 }
 
 
-def _launch(out: Path, mode: str, devices: int, kill_step: int | None, seed: int) -> float:
+STEP_MS = {"gpu-like": 60.0, "cpu": 0.0}
+
+
+def _launch(out: Path, mode: str, devices: int, kill_step: int | None, seed: int, regime: str) -> float:
     cmd = [sys.executable, "-m", "benchmarks.recovery_job", "--out", str(out), "--mode", mode]
     cmd += ["--devices", str(devices), "--epochs", str(EPOCHS), "--seed", str(seed)]
+    cmd += ["--step-ms", str(STEP_MS[regime])]
     if kill_step is not None:
         cmd += ["--kill-step", str(kill_step)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
@@ -52,12 +57,12 @@ def _launch(out: Path, mode: str, devices: int, kill_step: int | None, seed: int
     return time.perf_counter() - started
 
 
-def run_scenario(mode: str, launches: list[int], kill_step: int, seed: int) -> dict:
+def run_scenario(mode: str, launches: list[int], kill_step: int, seed: int, regime: str = "gpu-like") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         wall = 0.0
         for k, devices in enumerate(launches):
-            wall += _launch(out, mode, devices, kill_step if k == 0 and len(launches) > 1 else None, seed)
+            wall += _launch(out, mode, devices, kill_step if k == 0 and len(launches) > 1 else None, seed, regime)
         if not (out / "result.json").exists():
             raise RuntimeError(
                 f"{mode} {launches}: the job did not finish\n{(out / 'launches.log').read_text()[-3000:]}"
@@ -83,13 +88,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--kill-step", type=int, default=90)
+    p.add_argument("--regime", default="gpu-like", choices=sorted(STEP_MS))
     p.add_argument("--name", default="recovery")
     a = p.parse_args()
     rows: dict[str, list[dict]] = {name: [] for name in SCENARIOS}
     for run in range(a.runs):
         for name, (mode, launches) in SCENARIOS.items():  # side by side, in turn, every run
             # The kill moves by 5 steps a run: the dead rank is caught at another point of its round each time.
-            rows[name].append(run_scenario(mode, launches, a.kill_step + 5 * run, seed=run))
+            rows[name].append(run_scenario(mode, launches, a.kill_step + 5 * run, seed=run, regime=a.regime))
             print(name, rows[name][-1], flush=True)
     med = {
         name: {
@@ -99,9 +105,10 @@ def main() -> None:
         for name, runs in rows.items()
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{a.name}.json").write_text(json.dumps({"runs": rows, "median": med, "kill_step": a.kill_step}))
+    summary = {"runs": rows, "median": med, "kill_step": a.kill_step, "regime": a.regime}
+    (RESULTS / f"{a.name}.json").write_text(json.dumps(summary))
     lines = [
-        f"# What a lost rank costs (2 ranks, rank 1 3x slower, GPU-like, digits, {EPOCHS} epochs; rank 1 SIGKILLed at"
+        f"# What a lost rank costs (2 ranks, rank 1 3x slower, {a.regime}, digits, {EPOCHS} epochs; rank 1 SIGKILLed at"
         f" step {a.kill_step} + 5 x run; medians of {a.runs})",
         "",
         "| scenario | job wall s | kill to training again s | samples trained again | final test acc |",
