@@ -2,8 +2,8 @@
 
     python -m benchmarks.recovery_job --out DIR [--devices 2] [--kill-step K] [--mode recovery|checkpoint|none]
 
-GPU-like regime on scikit-learn's digits (real data): every step sleeps ``--step-ms`` (rank 1 3x as long), the CNN's
-compute on top. ``--kill-step K``: rank 1 SIGKILLs itself as global step K starts, once per DIR (it writes the
+On scikit-learn's digits (real data): every step sleeps ``--step-ms`` (rank 1 3x as long), the CNN's compute on top
+(``--step-ms 0``: the CPU-bound regime, rank 1 sleeping twice its measured step). ``--kill-step K``: rank 1 SIGKILLs itself as global step K starts, once per DIR (it writes the
 time to DIR/killed.json). ``--mode recovery``: the strategy's own recovery; ``checkpoint``: today's alternative,
 ``ModelCheckpoint(save_last=True)`` at every epoch end, ``recovery=False``, restarted with ``ckpt_path="last"``;
 ``none``: an undisturbed run. Every rank appends each real step's sample count to DIR/steps-<pid>.jsonl; rank 0 of
