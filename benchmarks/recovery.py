@@ -1,6 +1,7 @@
 """What a lost rank costs: oscars' recovery against restarting from the last checkpoint, and an undisturbed run.
 
-    python -m benchmarks.recovery [--runs 3] [--kill-step 90] [--regime gpu-like|cpu] [--name recovery]
+    python -m benchmarks.recovery [--runs 3] [--kill-step 90] [--regime gpu-like|cpu] [--launcher lightning|torchrun]
+        [--name recovery]
 
 Two ranks through Lightning's launcher (rank 1 3x slower on scikit-learn's digits, 6 epochs; GPU-like: every step
 mostly a 60 ms sleep; cpu: the CNN's real compute, rank 1's slowdown a sleep of twice its measured step). Rank 1
@@ -13,6 +14,10 @@ that it dies at another point of its round), and a loop restarts the job at once
 * ``last checkpoint``: today's alternative: ``ModelCheckpoint(save_last=True)`` at every epoch end, ``recovery=False``,
   the restart given ``ckpt_path="last"``.
 
+``--launcher torchrun``: the same job under torch's elastic agent, two agents on loopback (``--nnodes=1:2``, one rank
+each, ``--max-restarts=3``); node 1 (agent and rank) is SIGKILLed; "node back" starts a new agent for it as soon as it
+died, "one rank left" does not, and the surviving agent restarts its rank either way.
+
 Per scenario, medians of ``--runs``: the wall time of the whole job (every launch, start-up included), the seconds
 from the kill to the restarted fit's first training step, the samples trained again (all samples trained minus
 epochs x the training set), and the final test accuracy. Writes benchmarks/results/NAME.{json,md}.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -45,11 +51,7 @@ STEP_MS = {"gpu-like": 60.0, "cpu": 0.0}
 
 
 def _launch(out: Path, mode: str, devices: int, kill_step: int | None, seed: int, regime: str) -> float:
-    cmd = [sys.executable, "-m", "benchmarks.recovery_job", "--out", str(out), "--mode", mode]
-    cmd += ["--devices", str(devices), "--epochs", str(EPOCHS), "--seed", str(seed)]
-    cmd += ["--step-ms", str(STEP_MS[regime])]
-    if kill_step is not None:
-        cmd += ["--kill-step", str(kill_step)]
+    cmd = [sys.executable, *_job(out, mode, kill_step, seed, regime), "--devices", str(devices)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
     with open(out / "launches.log", "a") as log:
@@ -57,11 +59,59 @@ def _launch(out: Path, mode: str, devices: int, kill_step: int | None, seed: int
     return time.perf_counter() - started
 
 
-def run_scenario(mode: str, launches: list[int], kill_step: int, seed: int, regime: str = "gpu-like") -> dict:
+def _job(out: Path, mode: str, kill_step: int | None, seed: int, regime: str) -> list[str]:
+    job = ["-m", "benchmarks.recovery_job", "--out", str(out), "--mode", mode, "--epochs", str(EPOCHS)]
+    job += ["--seed", str(seed), "--step-ms", str(STEP_MS[regime])]
+    return job + (["--kill-step", str(kill_step)] if kill_step is not None else [])
+
+
+def _launch_agents(out: Path, mode: str, kill_step: int | None, seed: int, regime: str, node_back: bool) -> float:
+    """The job under torch's elastic agent: two agents on loopback (``--nnodes=1:2``, one rank each, restarts
+    allowed); node 1 (its agent and rank) is SIGKILLed at ``kill_step``; ``node_back``: a new agent for node 1 is
+    started as soon as it died. Returns the wall time until the first agent (the rendezvous host) exits."""
+    port = _free_port()
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3"]
+    agent += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-conf=last_call_timeout=2"]
+    agent += ["--monitor-interval=1"]
+    # torch's shared rendezvous store keeps a restarted round waiting for the last round's keys (pytorch#135712)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    started = time.perf_counter()
+    with open(out / "launches.log", "a") as log:
+        host = subprocess.Popen([*agent, *_job(out, mode, None, seed, regime)], stdout=log, stderr=log, env=env)
+        time.sleep(3)  # the host agent holds the rendezvous store: it is the one that survives
+        nodes = [subprocess.Popen([*agent, *_job(out, mode, kill_step, seed, regime)], stdout=log, stderr=log, env=env)]
+        try:
+            while host.poll() is None and node_back and not (out / "killed.json").exists():
+                time.sleep(0.2)
+            if host.poll() is None and node_back:
+                nodes[0].wait(timeout=60)
+                nodes.append(
+                    subprocess.Popen([*agent, *_job(out, mode, None, seed, regime)], stdout=log, stderr=log, env=env)
+                )
+            host.wait(timeout=900)
+        finally:
+            for p in [host, *nodes]:
+                if p.poll() is None:
+                    p.kill()
+    return time.perf_counter() - started
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_scenario(
+    mode: str, launches: list[int], kill_step: int, seed: int, regime: str = "gpu-like", launcher: str = "lightning"
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         wall = 0.0
-        for k, devices in enumerate(launches):
+        if launcher == "torchrun":
+            kill = kill_step if len(launches) > 1 else None
+            wall = _launch_agents(out, mode, kill, seed, regime, node_back=launches[-1] == 2 and kill is not None)
+        for k, devices in enumerate(launches if launcher == "lightning" else []):
             wall += _launch(out, mode, devices, kill_step if k == 0 and len(launches) > 1 else None, seed, regime)
         if not (out / "result.json").exists():
             raise RuntimeError(
@@ -89,13 +139,15 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--kill-step", type=int, default=90)
     p.add_argument("--regime", default="gpu-like", choices=sorted(STEP_MS))
+    p.add_argument("--launcher", default="lightning", choices=("lightning", "torchrun"))
     p.add_argument("--name", default="recovery")
     a = p.parse_args()
     rows: dict[str, list[dict]] = {name: [] for name in SCENARIOS}
     for run in range(a.runs):
         for name, (mode, launches) in SCENARIOS.items():  # side by side, in turn, every run
             # The kill moves by 5 steps a run: the dead rank is caught at another point of its round each time.
-            rows[name].append(run_scenario(mode, launches, a.kill_step + 5 * run, seed=run, regime=a.regime))
+            kill = a.kill_step + 5 * run
+            rows[name].append(run_scenario(mode, launches, kill, seed=run, regime=a.regime, launcher=a.launcher))
             print(name, rows[name][-1], flush=True)
     med = {
         name: {
@@ -105,10 +157,11 @@ def main() -> None:
         for name, runs in rows.items()
     }
     RESULTS.mkdir(exist_ok=True)
-    summary = {"runs": rows, "median": med, "kill_step": a.kill_step, "regime": a.regime}
+    summary = {"runs": rows, "median": med, "kill_step": a.kill_step, "regime": a.regime, "launcher": a.launcher}
     (RESULTS / f"{a.name}.json").write_text(json.dumps(summary))
     lines = [
-        f"# What a lost rank costs (2 ranks, rank 1 3x slower, {a.regime}, digits, {EPOCHS} epochs; rank 1 SIGKILLed at"
+        f"# What a lost rank costs ({a.launcher}: 2 ranks, rank 1 3x slower, {a.regime}, digits, {EPOCHS} epochs;"
+        " rank 1 SIGKILLed at"
         f" step {a.kill_step} + 5 x run; medians of {a.runs})",
         "",
         "| scenario | job wall s | kill to training again s | samples trained again | final test acc |",

@@ -3,12 +3,13 @@
     python -m benchmarks.recovery_job --out DIR [--devices 2] [--kill-step K] [--mode recovery|checkpoint|none]
 
 On scikit-learn's digits (real data): every step sleeps ``--step-ms`` (rank 1 3x as long), the CNN's compute on top
-(``--step-ms 0``: the CPU-bound regime, rank 1 sleeping twice its measured step). ``--kill-step K``: rank 1 SIGKILLs itself as global step K starts, once per DIR (it writes the
-time to DIR/killed.json). ``--mode recovery``: the strategy's own recovery; ``checkpoint``: today's alternative,
-``ModelCheckpoint(save_last=True)`` at every epoch end, ``recovery=False``, restarted with ``ckpt_path="last"``;
-``none``: an undisturbed run. Every rank appends each real step's sample count to DIR/steps-<pid>.jsonl; rank 0 of
-a finished fit writes DIR/result.json (final accuracy, the validation curve), and every launch's first training
-step is timed in DIR/started-<pid>.json.
+(``--step-ms 0``: the CPU-bound regime, rank 1 sleeping twice its measured step). ``--kill-step K``: rank 1 SIGKILLs
+itself as global step K starts, once per DIR (it writes the time to DIR/killed.json). ``--mode recovery``: the
+strategy's own recovery; ``checkpoint``: today's alternative, ``ModelCheckpoint(save_last=True)`` at every epoch end,
+``recovery=False``, restarted with ``ckpt_path="last"``; ``none``: an undisturbed run. Under torchrun (one agent per
+node) the world is the agents', and the kill takes rank 1's agent with it (a lost node). Every rank appends each real
+step's sample count to DIR/steps-<pid>.jsonl; rank 0 of a finished fit writes DIR/result.json (final accuracy, the
+validation curve), and every launch's first training step is timed in DIR/started-<pid>.json.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Recorder(L.Callback):
         marker = self.out / "killed.json"
         if trainer.global_rank == 1 and trainer.global_step == self.kill_step and not marker.exists():
             marker.write_text(json.dumps({"time": time.time(), "step": trainer.global_step}))
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: the whole node, its agent first
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, *a: Any):
@@ -77,7 +80,9 @@ def main() -> None:
     trainer = L.Trainer(
         strategy=OscarsStrategy(recovery=a.mode == "recovery"),
         accelerator="cpu",
-        devices=a.devices,
+        # Under torchrun (one agent per emulated node) the world is the agents'; else Lightning's launcher starts it.
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", a.devices)),
+        num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
         max_epochs=a.epochs,
         default_root_dir=out,
         logger=False,

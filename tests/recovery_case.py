@@ -168,6 +168,7 @@ def main() -> None:
         devices=int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else int(os.environ.get("OSCARS_TEST_DEVICES", "2")),
         num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else 1,
         max_epochs=2,
+        precision=env.get("OSCARS_TEST_PRECISION", "32-true"),
         callbacks=callbacks,
         default_root_dir=out,
         logger=False,

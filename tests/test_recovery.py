@@ -181,8 +181,10 @@ def test_failures_inside_validation_checkpoint_writes_saving_and_twice_in_a_row_
 
 
 def _replica_runs(out: Path) -> tuple[Path, Runs]:
-    """Four ranks in two replicas of two (``replica_size=2``); rank 2 is SIGKILLed mid-epoch; then to the end."""
+    """Four ranks in two replicas of two (``replica_size=2``), bf16 mixed precision; rank 2 is SIGKILLed mid-epoch;
+    then to the end."""
     env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_DEVICES="4", OSCARS_TEST_REPLICA_SIZE="2")
+    env["OSCARS_TEST_PRECISION"] = "bf16-mixed"
     code, log = _run([sys.executable, CASE, str(out)], {**env, "OSCARS_TEST_KILL": "6", "OSCARS_TEST_KILL_RANK": "2"})
     lost = {pid for pid in _pids_by_last_step(out) if _rank_of(out, pid) in (2, 3)}
     return out, [(code, log, lost), (*_run([sys.executable, CASE, str(out)], env), set())]
