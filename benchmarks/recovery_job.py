@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     out = Path(a.out)
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     L.seed_everything(a.seed, verbose=False)
     model = BenchModule(task="digits", slowdown="1:3", step_ms=a.step_ms, batch_size=32, lr=0.05)
     callbacks: list[L.Callback] = [Recorder(out, a.kill_step)]
@@ -80,9 +81,10 @@ def main() -> None:
     trainer = L.Trainer(
         strategy=OscarsStrategy(recovery=a.mode == "recovery"),
         accelerator="cpu",
-        # Under torchrun (one agent per emulated node) the world is the agents'; else Lightning's launcher starts it.
-        devices=int(os.environ.get("LOCAL_WORLD_SIZE", a.devices)),
-        num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        # Under torchrun (one agent per emulated node) the world is the agents'; else Lightning's launcher starts it
+        # (and sets WORLD_SIZE for its children: only torchrun's TORCHELASTIC_RUN_ID tells the two apart).
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else a.devices,
+        num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else 1,
         max_epochs=a.epochs,
         default_root_dir=out,
         logger=False,
