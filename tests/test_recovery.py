@@ -82,6 +82,8 @@ Runs = list[
 ]  # per run of a sequence: its exit code, its log, the processes whose work is lost
 
 
+# The restart sequences are long runs (four or five launches each, restarts included): they run in the extended run,
+# which CI runs after the default one; the continuation and the recovery points are unit-tested in the default run.
 @pytest.fixture(scope="module")
 def sequences(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Runs]]:
     """The three restart sequences below, run side by side (their ranks mostly sleep, as on a GPU; each sequence's
@@ -115,6 +117,7 @@ def _restart_loop(out: Path) -> tuple[Path, Runs]:
     return out, runs
 
 
+@pytest.mark.extended
 def test_a_restart_loop_around_lightnings_launcher_goes_on_after_each_lost_rank(sequences):
     out, runs = sequences["restart_loop"]
     (first, log1, _), (_, log2, _), (third, log3, _), (last, log4, _) = runs
@@ -158,6 +161,7 @@ def _failures_everywhere(out: Path) -> tuple[Path, Runs]:
     return out, runs
 
 
+@pytest.mark.extended
 def test_failures_inside_validation_checkpoint_writes_saving_and_twice_in_a_row_lose_only_the_dead_ranks_work(
     sequences,
 ):
@@ -190,6 +194,7 @@ def _replica_runs(out: Path) -> tuple[Path, Runs]:
     return out, [(code, log, lost), (*_run([sys.executable, CASE, str(out)], env), set())]
 
 
+@pytest.mark.extended
 def test_with_replica_groups_a_replica_is_the_unit_lost(sequences):
     """Rank 2's replica partner fails inside a step's gradient all-reduce and saves nothing; replica 0's ranks save
     at the averaging. The restart (four ranks) resumes replica 0 from its state and replica 1 from a copy, merged
