@@ -13,6 +13,7 @@ pytestmark = pytest.mark.multiprocess
 TIMEOUT = 150
 
 
+@pytest.mark.extended  # the benchmark harness end to end: a long run, in the extended run CI runs
 def test_train_job_writes_a_json_summary_with_the_round_history(tmp_path):
     out = tmp_path / "run.json"
     cmd = [sys.executable, "-m", "benchmarks.train_job", "--strategy", "oscars", "--epochs", "1", "--out", str(out)]

@@ -103,6 +103,7 @@ def test_the_sweep_prefers_reaching_the_target_then_throughput():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended  # the benchmark harness end to end (CI runs the extended run)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("algo, sync_every, syncs", [("torch-averager", 4, 2), ("torch-ddp", 1, 0)])
 def test_a_plain_loop_peer_trains_every_shard_and_ends_averaged(algo, sync_every, syncs):
@@ -119,6 +120,7 @@ def test_a_plain_loop_peer_trains_every_shard_and_ends_averaged(algo, sync_every
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended  # the benchmark harness end to end (CI runs the extended run)
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is in the bench extra")
 def test_torchft_local_sgd_runs_on_loopback_and_ends_averaged():
