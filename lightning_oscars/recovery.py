@@ -105,7 +105,7 @@ class FitRecovery:
     @staticmethod
     def covers(rounds: RoundController, scheme: SyncScheme) -> bool:
         """Whether a failed round of this fit can be recovered from (see the module docstring)."""
-        return rounds.pacer is None and not scheme.waits_within_rounds
+        return not scheme.waits_within_rounds
 
     def save(
         self,

@@ -7,7 +7,8 @@ or torchrun (``OSCARS_TEST_TORCHRUN=1``). The fit trains the indexed blobs for t
 * ``OSCARS_TEST_KILL=STEP``: global rank 1 (``OSCARS_TEST_KILL_RANK``) kills itself with SIGKILL as global step STEP
   starts, once per OUT_DIR (the marker ``killed-STEP``); with ``OSCARS_TEST_KILL_AGENT=1`` its torchrun agent first
   (a node lost).
-* ``OSCARS_TEST_REPLICA_SIZE``: ranks per replica (default 1).
+* ``OSCARS_TEST_REPLICA_SIZE``: ranks per replica (default 1); ``OSCARS_TEST_DEADLINE=1``: deadline rounds;
+  ``OSCARS_TEST_PRECISION``: the Trainer's ``precision`` (default ``32-true``).
 * ``OSCARS_TEST_SIGTERM=STEP``: global rank 1 receives SIGTERM after global step STEP, once per OUT_DIR (a
   preemption notice: every rank stops at the next round boundary).
 * ``OSCARS_TEST_KILL_IN``: global rank 1 kills itself (SIGKILL) inside its first ``validation`` batch, its first
@@ -163,6 +164,7 @@ def main() -> None:
         strategy=OscarsStrategy(
             timeout=__import__("datetime").timedelta(seconds=30),
             replica_size=int(env.get("OSCARS_TEST_REPLICA_SIZE", "1")),
+            deadline_rounds=env.get("OSCARS_TEST_DEADLINE") == "1",
         ),
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else int(os.environ.get("OSCARS_TEST_DEVICES", "2")),
@@ -187,6 +189,7 @@ def main() -> None:
         "global_step": trainer.global_step,
         "weights": torch.cat([t.detach().float().reshape(-1) for t in module.state_dict().values()]).tolist(),
         "averagings": len(strategy.history),
+        "deadline_rounds": strategy.rounds.pacer is not None,
         "recovery_left": sorted(p.name for p in (out / "oscars-recovery").glob("*")),
         "checkpoint_callback": trainer.checkpoint_callback.state_dict() if every else None,
     }

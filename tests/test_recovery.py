@@ -132,7 +132,8 @@ def test_a_restart_loop_around_lightnings_launcher_goes_on_after_each_lost_rank(
     for _, _, pids in (runs[0], runs[2]):
         last_steps = {pid: max(_steps(out, pid)) for pid in pids}
         killed.add(min(last_steps, key=last_steps.__getitem__))  # the one that died first trained least far
-    _assert_recovered(out, killed, ranks=2)
+    results = _assert_recovered(out, killed, ranks=2)
+    assert all(r["deadline_rounds"] for r in results), "the sequence runs deadline rounds"
 
 
 def _failures_everywhere(out: Path) -> tuple[Path, Runs]:
