@@ -119,15 +119,21 @@ class LightningAdapter:
 
                 self._patch(thread, "_terminate_all", terminate_after_grace)
 
-    def remove(self) -> None:
+    def remove(self, keep_zombie_guard: bool = False) -> None:
         """Put back everything :meth:`install` and :meth:`defer_zombie_guard` changed (a handler someone replaced since
-        stays theirs)."""
+        stays theirs). ``keep_zombie_guard``: a fit that failed leaves the kill deferred, so that the process lives to
+        print its error and the other survivors to save (it goes with the process, which is ending)."""
+        kept: list[tuple[object, str, bool, Any]] = []
         while self._patches:
             owner, name, had_own, original = self._patches.pop()
+            if keep_zombie_guard and isinstance(owner, _ChildProcessObserver):
+                kept.append((owner, name, had_own, original))
+                continue
             if had_own:
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)
+        self._patches = kept[::-1]
         while self._handlers:
             signum, ours, before = self._handlers.pop()
             if signal.getsignal(signum) is ours:

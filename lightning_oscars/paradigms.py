@@ -55,9 +55,6 @@ _NOT_SERVED = {
     "replica_size": "a paradigm's ranks exchange after every step on their own; replica groups are for oscars and"
     " local_sgd",
     "replica_spans_nodes": "it configures replica_size, which a paradigm does not take",
-    "recovery": "a paradigm's ranks exchange within rounds, so the survivors of a failed round are not at one point"
-    " of it yet: it stops as before; resume from a checkpoint",
-    "recovery_dir": "it configures recovery, which a paradigm does not take",
 }
 # Options the parameter-server paradigms cannot serve on top of those.
 _NOT_SERVED_ON_THE_SERVER = {
@@ -86,6 +83,8 @@ class StepSyncStrategy(OscarsStrategy):
         max_local_steps: the most steps a rank takes per round (rounds last about this many steps of the fastest).
         timed_warmup: as for ``oscars``: faster ranks keep training while the slowest takes its warm-up steps
             (off by default: the paradigms were measured without it).
+        recovery, recovery_dir: as for ``oscars`` (on by default): a survivor of a lost rank trains no further in the
+            round and saves its worker model at the round's end; a restart merges the survivors' models.
         seed, monitor, timeout, start_method, process_group_backend: as for ``oscars``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the Trainer.
     """
@@ -99,6 +98,8 @@ class StepSyncStrategy(OscarsStrategy):
         warmup_steps: int = 4,
         max_local_steps: int = 16,
         timed_warmup: bool = False,
+        recovery: bool = True,
+        recovery_dir: str | None = None,
         seed: int | None = None,
         monitor: bool = True,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
@@ -118,7 +119,8 @@ class StepSyncStrategy(OscarsStrategy):
             max_local_steps=max_local_steps,
             timed_warmup=timed_warmup,
             deadline_rounds=True,
-            recovery=False,
+            recovery=recovery,
+            recovery_dir=recovery_dir,
             seed=seed,
             monitor=monitor,
             timeout=timeout,

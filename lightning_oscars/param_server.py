@@ -178,19 +178,58 @@ class ParameterServer:
         sends = self._send_to_servers(op, payload, busy_s, decision, more)
         if op == _PUSH:
             self._answer()
-            out[start:end] = self.shard.wait(self.rank, self.timeout_s, self.peer_failure)
+            out[start:end] = self._own_grant(sends, receives)
             # The own shard saw every push of this clock (or a peer's end of the round) before it granted: its word
             # on the round's closing is everybody's.
             self.round_closed = self.shard.closed[self.rank]
         else:
             out[start:end] = self.shard.round_start(self.rank)
+            self._await_all(sends, receives)
+        self.waited_s += time.perf_counter() - began
+        return out
+
+    def _own_grant(self, sends: list[tuple[int, Any, Tensor]], receives: list[tuple[int, Any]]) -> Tensor:
+        """This worker's grant from its own shard, then the other shards' replies. While the rule holds the worker
+        back, the other shards' sends and receives are waited for on a helper thread: a dead peer's connection fails
+        them at once, and that ends the own shard's wait too (which may be waiting for that peer's push, for ever;
+        a pending gloo operation cannot be polled, and the server thread's receive from anyone does not fail)."""
+        if self.shard.may_start(self.rank):
+            granted = self.shard.wait(self.rank, self.timeout_s, self.peer_failure)
+            self._await_all(sends, receives)
+            return granted
+        failed: list[BaseException] = []
+
+        def watch() -> None:
+            try:
+                self._await_all(sends, receives)
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting worker
+                failed.append(error)
+                self.shard.wake()
+
+        def failure() -> str | None:
+            if failed:
+                return str(failed[0])
+            return self.peer_failure() if self.peer_failure is not None else None
+
+        watcher = threading.Thread(target=watch, name=f"oscars-ps-watch-{self.rank}", daemon=True)
+        watcher.start()
+        try:
+            granted = self.shard.wait(self.rank, self.timeout_s, failure)
+        except Exception as error:
+            if failed:  # the peer's own error says more than "stopped waiting"
+                raise failed[0] from error
+            raise
+        watcher.join()
+        if failed:
+            raise failed[0]
+        return granted
+
+    def _await_all(self, sends: list[tuple[int, Any, Tensor]], receives: list[tuple[int, Any]]) -> None:
         timeout = timedelta(seconds=self.timeout_s)
         for server, work, _ in sends:
             self._await(work, server, timeout)
         for server, work in receives:
             self._await(work, server, timeout)
-        self.waited_s += time.perf_counter() - began
-        return out
 
     def _send_to_servers(
         self, op: float, payload: Tensor | None, busy_s: float, decision: Sequence[float] = (), more: bool = True
@@ -219,8 +258,8 @@ class ParameterServer:
             work.wait(timeout)
         except Exception as error:
             raise RuntimeError(
-                f"parameter server: rank {self.rank} got no answer from rank {server}'s shard within"
-                f" {timeout.total_seconds():.0f} s (that rank died, hung or stopped serving): {error}"
+                f"parameter server: rank {self.rank} got no answer from rank {server}'s shard (that rank died,"
+                f" stopped serving, or hung past the {timeout.total_seconds():.0f} s timeout): {error}"
             ) from error
 
     def push_pull(self, delta: Tensor, busy_s: float = 0.0, more: bool = True) -> Tensor:

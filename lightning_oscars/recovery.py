@@ -9,9 +9,13 @@
 * :meth:`FitRecovery.resume` and :meth:`FitRecovery.merge` (training start of the restarted fit): the epoch's plan
   continues where the failed round left it, and the survivors' models are merged in one weighted all-reduce.
 
-What it covers: ``oscars``, ``local_sgd`` and ``oscars_alg1``, plain or deadline rounds, with or without replica
-groups (a replica that lost a rank mid-round is lost: its other ranks fail inside a step, at another slot than the
-rest, and save nothing). With a paradigm (a parameter server, ripples), a failed round saves nothing.
+What it covers: every registered strategy, plain or deadline rounds, with or without replica groups (a replica that
+lost a rank mid-round is lost: its other ranks fail inside a step, at another slot than the rest, and save nothing).
+The paradigms exchange after every step, so their survivors learn of the loss at different slots: each then trains
+no further in the round and saves at the round's end (or the averaging before a validation or a checkpoint, if one
+comes first), where every survivor stands at one slot (``fit_failures.py``). A parameter server's
+shards die with their ranks; the survivors' worker models, each the server's state at its last pull plus its own
+steps since, are what is merged, and the restarted fit starts a fresh server from the merge.
 """
 
 from __future__ import annotations
@@ -102,11 +106,6 @@ class FitRecovery:
         self.merged = False  # the survivors' models were merged (the point is this fit's past from then on)
         self._order: tuple[int, list[int]] | None = None  # the resumed epoch's order of samples
 
-    @staticmethod
-    def covers(rounds: RoundController, scheme: SyncScheme) -> bool:
-        """Whether a failed round of this fit can be recovered from (see the module docstring)."""
-        return not scheme.waits_within_rounds
-
     def save(
         self,
         rounds: RoundController,
@@ -117,10 +116,10 @@ class FitRecovery:
         averaged: bool = False,
     ) -> Path | None:
         """A round failed: save this survivor's state; the point's directory, or ``None`` if nothing was saved
-        (nothing planned yet, a fit this does not cover, or a restarted fit that failed before its merge, whose point
+        (nothing planned yet, or a restarted fit that failed before its merge, whose point
         is still the newest state). ``averaged``: it failed after an averaging, before anything trained (inside a
         validation or a checkpoint write); ``stopped``: a coordinated stop at a round boundary."""
-        if rounds.plan is None or loader is None or not self.covers(rounds, scheme):
+        if rounds.plan is None or loader is None:
             return None
         if self.point is not None and not self.merged:
             return Path(self.point.directory)

@@ -118,6 +118,11 @@ class GroupClient:
             raise RuntimeError("ripples: the group generator ended this rank's round while it was stepping")
         return group
 
+    def leave_round(self) -> None:
+        """Leave the round without performing what the buffer holds (a peer is lost): the generator makes no more
+        groups with this rank in it."""
+        self._store.queue_push(f"{self.prefix}/requests", f"{_END},{self.rank}")
+
     def end_round(self) -> list[tuple[int, ...]]:
         """Leave the round: the groups left in the buffer, which must still be performed, in order."""
         self._store.queue_push(f"{self.prefix}/requests", f"{_END},{self.rank}")
@@ -247,6 +252,16 @@ class RipplesScheme(ModelAveraging):
         self.asked_s += time.perf_counter() - asked
         self._perform(members, self.overlap)
         self.waited_s += time.perf_counter() - started
+
+    def abandon(self) -> None:
+        """A peer is lost: take no more groups (an exchange in flight is left unfinished; the survivors grouped
+        with this rank see its connection close when it exits)."""
+        client, self.client = self.client, None
+        if client is not None:
+            try:
+                client.leave_round()
+            except Exception:  # noqa: BLE001 - the store died with rank 0: nobody is grouped with this rank any more
+                pass
 
     def combine(self, tensors: Sequence[Tensor], meeting: RoundMeeting) -> None:
         if self.client is not None:

@@ -125,6 +125,10 @@ class SyncScheme(ABC):
         """This rank just took a real optimizer step (a parameter server pushes it here). Not collective: ranks
         take different numbers of steps."""
 
+    def abandon(self) -> None:  # noqa: B027 - optional: only schemes that exchange within rounds need it
+        """This rank exchanges nothing more with the others in this fit (a peer is lost, or the fit failed): release
+        whoever waits for this rank, and wait for nobody when released. Not collective."""
+
     def release(self) -> None:  # noqa: B027 - optional: most schemes hold nothing between fits
         """The fit ended: drop buffers, stop threads, retire process groups."""
 

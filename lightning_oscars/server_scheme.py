@@ -148,6 +148,12 @@ class ParameterServerScheme(ModelAveraging):
                 steps.close_round()
         self._since = time.perf_counter()
 
+    def abandon(self) -> None:
+        """This worker stops now (its clock holds nobody back any more; every live server is told) and its server
+        waits for nobody's last request."""
+        if self.server is not None:
+            self.server.close(wait_s=0.0, strict=False)
+
     def combine(self, tensors: Sequence[Tensor], meeting: RoundMeeting) -> None:
         server = self.server
         if server is None:

@@ -18,7 +18,6 @@ One round, from Lightning's hook to the all-reduce and back::
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +26,6 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -36,7 +34,7 @@ from lightning_oscars.agreement import MetricAgreement
 from lightning_oscars.averaging import agree_on_layout, averaged_tensors, optimizer_state_layout
 from lightning_oscars.callbacks import append_round_callbacks, insert_round_callbacks, without_callbacks
 from lightning_oscars.control import ControlData
-from lightning_oscars.faults import FailureBoard, broke_a_collective, name_the_failure
+from lightning_oscars.fit_failures import FitFailures
 from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, training_set_size
 from lightning_oscars.recovery import RECOVERY_GRACE_S, FitRecovery
 from lightning_oscars.rounds import RoundController
@@ -91,9 +89,7 @@ class FitSession:
         self._trainer: Trainer | None = None
         self._callbacks: list[Callback] = []
         self._validation_started: float | None = None
-        # Inside a training step (its hooks included): a collective breaking there (a replica's gradient all-reduce, a
-        # collective of the user's) may leave the survivors at different slots, so it saves no recovery point.
-        self._in_step = False
+        self.failures = FitFailures(strategy, rounds, scheme, recovery)
 
     # ------------------------------------------------------------------ the session's lifecycle
 
@@ -121,7 +117,9 @@ class FitSession:
         if self._trainer is not None:
             self._trainer.callbacks = without_callbacks(self._trainer.callbacks, self._callbacks)  # type: ignore[attr-defined]
         self._trainer, self._callbacks = None, []
-        self.adapter.remove()
+        self.adapter.remove(keep_zombie_guard=self.rounds.failed and self.recovery is not None)
+        if self.rounds.failed:  # a peer may be gone: a parameter server must not wait for its last word
+            self.scheme.abandon()
         self.scheme.release()
         if self.loader is not None:
             self.loader.close()
@@ -178,8 +176,6 @@ class FitSession:
         restored, self.restored = self.restored, None
         module = self.strategy.lightning_module
         assert module is not None
-        self.scheme.bind(p for p in module.parameters() if p.requires_grad)
-        self.scheme.load_state_dict((restored or {}).get("scheme"))
         loader = self.loader
         units = loader.units_within(trainer.limit_train_batches) if loader else None
         position = LightningAdapter.resume_position(trainer)
@@ -190,10 +186,13 @@ class FitSession:
             self._bound_epoch(loader, at_least=max(loader.max_slots, plan.total_slots))
         if recovery is not None and restored is not None:  # a new world: fresh schedule, the survivors merged
             recovery.resume(self.rounds, loader, restored, trainer.current_epoch, position, units)
+            # Before the scheme is bound: a parameter server starts from the merged model.
             recovery.merge(self._synchronized_tensors(trainer), self.strategy.root_device)
             going_on = self.rounds.continuation
             if going_on is not None and loader is not None:
                 self._bound_epoch(loader, at_least=going_on.slot_bound(self.rounds.epoch_slot_bound))
+        self.scheme.bind(p for p in module.parameters() if p.requires_grad)
+        self.scheme.load_state_dict((restored or {}).get("scheme"))
         if position is not None:
             self.prepare_epoch(trainer, resume_at=position)
 
@@ -239,23 +238,22 @@ class FitSession:
         self.adapter.size_epoch(trainer, plan.total_slots * loader.batches_per_slot)
 
     def start_step(self) -> None:
-        self._in_step = True
+        self.failures.in_step = True
 
     def finish_slot(self, trainer: Trainer, batch_idx: int) -> None:
         """A batch finished its hooks: maybe end the round."""
-        self._in_step = False
+        self.failures.in_step = False
         if trainer.should_stop:  # a rank-local stop request waits for the round boundary
             self.rounds.ledger.request_stop()
             trainer.should_stop = False
         if self.loader is None:
             return
         slot_done = ends_slot(batch_idx, self.loader.batches_per_slot, trainer.num_training_batches)
-        if self.rounds.slot.real and slot_done and not self.rounds.failed:
+        if self.rounds.slot.real and slot_done and not self.rounds.failed and self.failures.lost is None:
             try:
                 self.scheme.after_step()  # inside the step's measured time: a parameter server's wait is part of it
-            except Exception as error:  # a peer died, raised or hung: name it, then stop
-                what = f"the {self.scheme.name} exchange after a step"
-                raise RuntimeError(self._collective_failure(error, what)) from error
+            except Exception as error:  # a peer died, raised or hung: stop, or go on alone to the next meeting
+                self.failures.exchange_failed(error, f"the {self.scheme.name} exchange after a step", self.loader)
         next_slot = self.rounds.end_slot(batch_idx, self.loader.batches_per_slot, trainer.num_training_batches)
         if next_slot is not None:
             self.average(trainer, next_slot=next_slot)
@@ -300,12 +298,15 @@ class FitSession:
         answer on every rank)."""
         trainer = LightningAdapter.trainer_of(self.strategy.lightning_module)
         rounds = self.rounds
-        if self.fitting(trainer) and (rounds.needs_average or not (self.scheme.settled or rounds.failed)):
+        pending = rounds.needs_average or not (self.scheme.settled or rounds.failed) or self.failures.lost is not None
+        if self.fitting(trainer) and pending:
             assert trainer is not None
             self.average(trainer, next_slot=None)
 
     def average(self, trainer: Trainer, next_slot: int | None) -> None:
         """The round's one collective: combine the models and the control data, then act on the outcome."""
+        if self.failures.lost is not None:  # an exchange of this round broke: this rank exchanges nothing more
+            self.failures.raise_lost(trainer, self.loader)
         rounds, device = self.rounds, self.strategy.root_device
         n = rounds.world_size  # the control data has a row per replica (per rank without replica groups)
         mine = rounds.contribution(trainer.global_step, stop=self.adapter.timer_expired())
@@ -320,8 +321,7 @@ class FitSession:
             (self.scheme.combine_late if late else self.scheme.combine)(tensors, meeting)
             summed = meeting.summed()
         except Exception as error:  # a peer died, raised or hung past the timeout: name it, save, then stop
-            message = self._collective_failure(error)
-            raise RuntimeError(message + self._save_for_recovery(trainer)) from error
+            raise RuntimeError(self.failures.named(error) + self.failures.save(trainer, self.loader)) from error
         if self.recovery is not None:
             self.recovery.averaged()
         outcome = rounds.absorb(
@@ -363,38 +363,6 @@ class FitSession:
         mask = agree_on_layout(optimizer_state_layout(s.optimizers), s.root_device)
         return averaged_tensors(module, s.optimizers, state_mask=mask, extra_modules=extra)
 
-    def _collective_failure(self, error: BaseException, what: str = "the averaging all-reduce") -> str:
-        self.rounds.failed = True
-        s = self.strategy
-        return name_the_failure(self.rounds, s.world_size, s.global_rank, error, self.rounds.num_averagings + 1, what)
-
-    def _save_for_recovery(self, trainer: Trainer, stopped: bool = False, averaged: bool = False) -> str:
-        """This survivor's state for a restart (``recovery.py``); what to add to the failure's message."""
-        try:
-            recovery, loader = self.recovery, self.loader
-            saved = recovery.save(self.rounds, self.scheme, loader, trainer, stopped, averaged) if recovery else None
-        except Exception as error:  # noqa: BLE001 - the failure being reported matters more than this one
-            return f"\nSaving this rank's state for a restart failed too: {type(error).__name__}: {error}"
-        return "" if saved is None else f"\nThis rank's state is saved in {saved}: a restarted fit resumes from it."
-
     def report_failure(self, error: BaseException) -> None:
         """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""
-        trainer = LightningAdapter.trainer_of(self.strategy.lightning_module)
-        if isinstance(error, SIGTERMException) and not self.rounds.failed and trainer is not None:
-            self._save_for_recovery(trainer, stopped=True)  # at a round boundary: every rank has the averaged model
-        if self.rounds.failed or isinstance(error, SIGTERMException):
-            # SIGTERM is a coordinated stop (all ranks, same batch): collectives stay matched.
-            return
-        averaged = not self.rounds.needs_average  # none trained since the last averaging (one before a validation)
-        self.rounds.failed = True
-        if not broke_a_collective(error):  # this rank's own error: the others name it when their collectives break
-            board = FailureBoard.from_default_group(self.strategy.world_size)
-            if board is not None:
-                board.report_error(self.strategy.global_rank, error)
-        elif trainer is not None and not self._in_step:
-            # A peer died in a collective between steps other than the averaging (step values' agreement, validation
-            # metrics, a checkpoint's barrier): every rank runs those at the same slot, so every survivor is there.
-            note = self._save_for_recovery(trainer, averaged=averaged)
-            if note:  # Lightning prints the error itself; where the state went, only this rank knows
-                rank = self.strategy.global_rank
-                print(f"oscars: rank {rank} lost a peer ({type(error).__name__}).{note}", file=sys.stderr, flush=True)
+        self.failures.report(error, self.loader)

@@ -262,6 +262,11 @@ class Shard:
                 self.staleness.append(self.lead(worker))
             return values
 
+    def wake(self) -> None:
+        """Wake a :meth:`wait` to ask its ``peer_failure`` now (something outside the shard failed)."""
+        with self._changed:
+            self._changed.notify_all()
+
     def wait(self, worker: int, timeout_s: float, peer_failure: Callable[[], str | None] | None = None) -> Tensor:
         """Block until ``worker`` may start, then :meth:`grant` (the local worker's path). ``peer_failure`` is asked
         every second while waiting: a reason it returns (a peer reported an error) ends the wait."""

@@ -7,6 +7,8 @@ or torchrun (``OSCARS_TEST_TORCHRUN=1``). The fit trains the indexed blobs for t
 * ``OSCARS_TEST_KILL=STEP``: global rank 1 (``OSCARS_TEST_KILL_RANK``) kills itself with SIGKILL as global step STEP
   starts, once per OUT_DIR (the marker ``killed-STEP``); with ``OSCARS_TEST_KILL_AGENT=1`` its torchrun agent first
   (a node lost).
+* ``OSCARS_TEST_STRATEGY``: a paradigm (``bsp``, ``asp``, ``ssp``, ``dssp``, ``dasp``, ``ripples``) instead of
+  ``oscars`` (the replica and deadline knobs are then ignored: a paradigm has neither option).
 * ``OSCARS_TEST_REPLICA_SIZE``: ranks per replica (default 1); ``OSCARS_TEST_DEADLINE=1``: deadline rounds;
   ``OSCARS_TEST_PRECISION``: the Trainer's ``precision`` (default ``32-true``).
 * ``OSCARS_TEST_SIGTERM=STEP``: global rank 1 receives SIGTERM after global step STEP, once per OUT_DIR (a
@@ -32,6 +34,7 @@ import json
 import os
 import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ from torch import Tensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_oscars import HeterogeneityEmulator, OscarsStrategy, recovery_points  # noqa: E402
+from lightning_oscars.paradigms import PARADIGMS  # noqa: E402
 
 
 class RecordedModule(IndexedModule):
@@ -160,12 +164,20 @@ def main() -> None:
         kept = {"monitor": "val_loss", "save_top_k": 2} if validate else {"save_top_k": -1}
         callbacks.append(ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=every, **kept))
     torchrun = os.environ.get("OSCARS_TEST_TORCHRUN") == "1"
-    trainer = L.Trainer(
-        strategy=OscarsStrategy(
-            timeout=__import__("datetime").timedelta(seconds=30),
+    timeout = timedelta(seconds=30)
+    paradigm = env.get("OSCARS_TEST_STRATEGY")
+    if paradigm:
+        # A timeout no test run reaches: a survivor waiting for the dead rank (a staleness bound, a group) must see
+        # the loss by itself, as it does when the peer's connection closes.
+        strategy: OscarsStrategy = PARADIGMS[paradigm][0](timeout=timedelta(seconds=600))
+    else:
+        strategy = OscarsStrategy(
+            timeout=timeout,
             replica_size=int(env.get("OSCARS_TEST_REPLICA_SIZE", "1")),
             deadline_rounds=env.get("OSCARS_TEST_DEADLINE") == "1",
-        ),
+        )
+    trainer = L.Trainer(
+        strategy=strategy,
         accelerator="cpu",
         devices=int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else int(os.environ.get("OSCARS_TEST_DEVICES", "2")),
         num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else 1,
@@ -181,7 +193,6 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     trainer.fit(module)
-    strategy: Any = trainer.strategy
     result = {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,

@@ -57,6 +57,7 @@ LIGHTNING = {
     "callbacks",
     "collectives",
     "epoch_metrics",
+    "fit_failures",
     "heterogeneity",
     "monitor",
     "paradigms",

@@ -9,77 +9,29 @@ a hard timeout), and no recovery point is left behind once the fit ended.
 
 from __future__ import annotations
 
-import collections
-import json
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from subproc import ROOT, clean_env, free_port, kill_group, start
+from recovery_checks import (
+    CASE,
+    TIMEOUT,
+    Runs,
+    assert_recovered,
+    finish,
+    killed_pids,
+    pids_by_last_step,
+    rank_of,
+    restored_step,
+    run,
+    steps,
+    torchrun,
+    torchrun_env,
+)
+from subproc import clean_env, free_port, kill_group, start
 
 pytestmark = pytest.mark.multiprocess
-
-TIMEOUT = 150
-CASE = str(ROOT / "tests" / "recovery_case.py")
-SAMPLES = 64  # paradigm_models_case.SAMPLES
-RESTORED = "Restoring states from the checkpoint path at "  # Lightning's line, then the recovery point's file
-
-
-def _run(cmd: list[str], env: dict[str, str], timeout: float = TIMEOUT) -> tuple[int, str]:
-    return _finish(start(cmd, env), timeout)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = TIMEOUT) -> tuple[int, str]:
-    """Wait for ``proc`` (a hard timeout: a hang fails the test), then kill what is left of its process group."""
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        log, _ = proc.communicate()
-        pytest.fail(f"{proc.args} did not finish within {timeout}s (deadlock?)\n{log[-4000:]}")
-    kill_group(proc)  # a killed rank's orphans, if any
-    return proc.returncode, log
-
-
-def _trained(out: Path) -> dict[int, dict[int, list[int]]]:
-    """pid -> epoch -> the samples that process trained (every run's every rank)."""
-    found: dict[int, dict[int, list[int]]] = {}
-    for path in out.glob("trained-*.jsonl"):
-        pid = int(path.stem.split("-")[1])
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            found.setdefault(pid, {}).setdefault(row["epoch"], []).extend(row["indices"])
-    return found
-
-
-def _assert_recovered(out: Path, killed_pids: set[int], ranks: int) -> list[dict]:
-    """The fit's promises (module docstring); ``killed_pids``: the processes that died."""
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
-    for r in results:
-        assert r["epoch"] == 2 and r["recovery_left"] == [], r
-    assert len({json.dumps(r["weights"]) for r in results}) == 1, "ranks ended with different weights"
-    trained = _trained(out)
-    for epoch in (0, 1):
-        counts = collections.Counter(i for by_epoch in trained.values() for i in by_epoch.get(epoch, []))
-        assert sorted(counts) == list(range(SAMPLES)), f"epoch {epoch}: a sample was never trained"
-        twice = {i for i, n in counts.items() if n > 1}
-        lost = {i for pid in killed_pids for i in trained.get(pid, {}).get(epoch, [])}
-        assert twice <= lost, f"epoch {epoch}: samples trained twice that no dead rank had: {sorted(twice - lost)}"
-        assert max(counts.values()) <= 2
-    return results
-
-
-def _killed_pids(out: Path, before: set[int]) -> set[int]:
-    """The processes of a run that ended on a SIGKILL: the one whose file stops at the kill (rank 1's)."""
-    return {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")} - before
-
-
-Runs = list[
-    tuple[int, str, set[int]]
-]  # per run of a sequence: its exit code, its log, the processes whose work is lost
 
 
 # The restart sequences are long runs (four or five launches each, restarts included): they run in the extended run,
@@ -112,8 +64,8 @@ def _restart_loop(out: Path) -> tuple[Path, Runs]:
             env[f"OSCARS_TEST_{name}"] = step
         # As torchrun --max-restarts=1 tells its ranks: a stop's recovery point is saved where an agent restarts them.
         env["TORCHELASTIC_MAX_RESTARTS"] = "1"
-        code, log = _run([sys.executable, CASE, str(out)], env)
-        runs.append((code, log, _killed_pids(out, seen) if event and event.startswith("KILL") else set()))
+        code, log = run([sys.executable, CASE, str(out)], env)
+        runs.append((code, log, killed_pids(out, seen) if event and event.startswith("KILL") else set()))
     return out, runs
 
 
@@ -125,14 +77,14 @@ def test_a_restart_loop_around_lightnings_launcher_goes_on_after_each_lost_rank(
     assert third != 0 and "This rank's state is saved in" in log3, log3[-3000:]
     assert last == 0, log4[-3000:]
     # Each restart resumed from the point the run before it left: a newer one every time (the SIGTERM's included).
-    points = [_restored_step(log) for log in (log2, log3, log4)]
+    points = [restored_step(log) for log in (log2, log3, log4)]
     assert None not in points and points == sorted(set(points)), points
     # The dead rank's processes: in each killed run, the rank-1 process (its record ends at the kill).
     killed: set[int] = set()
     for _, _, pids in (runs[0], runs[2]):
-        last_steps = {pid: max(_steps(out, pid)) for pid in pids}
+        last_steps = {pid: max(steps(out, pid)) for pid in pids}
         killed.add(min(last_steps, key=last_steps.__getitem__))  # the one that died first trained least far
-    results = _assert_recovered(out, killed, ranks=2)
+    results = assert_recovered(out, killed, ranks=2)
     assert all(r["deadline_rounds"] for r in results), "the sequence runs deadline rounds"
 
 
@@ -154,10 +106,10 @@ def _failures_everywhere(out: Path) -> tuple[Path, Runs]:
         seen = {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")}
         env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_CHECKPOINT_EVERY="5", **shape, **event)
         env["PYTHONWARNINGS"] = "ignore,default:oscars"  # the strategy's own warnings are shown
-        code, log = _run([sys.executable, CASE, str(out)], env)
+        code, log = run([sys.executable, CASE, str(out)], env)
         new = {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")} - seen
         # The processes whose work is lost: both of the first run (no complete point), rank 1's of the others.
-        lost = new if "OSCARS_TEST_DIE_SAVING" in event else {pid for pid in new if _rank_of(out, pid) == 1}
+        lost = new if "OSCARS_TEST_DIE_SAVING" in event else {pid for pid in new if rank_of(out, pid) == 1}
         runs.append((code, log, lost if event else set()))
     return out, runs
 
@@ -172,14 +124,14 @@ def test_failures_inside_validation_checkpoint_writes_saving_and_twice_in_a_row_
     logs = [log for _, log, _ in runs]
     # Rank 0 died writing its state: the restart ignores the half-written point, says so, and starts afresh.
     assert "This rank's state is saved in" not in logs[0]
-    assert "ignoring the recovery point" in logs[1] and _restored_step(logs[1]) is None, logs[1][-3000:]
+    assert "ignoring the recovery point" in logs[1] and restored_step(logs[1]) is None, logs[1][-3000:]
     # Every later failure (inside a validation, a checkpoint write, before a restarted fit's first round ended)
     # saved a point, and the next run resumed from it.
     for log in logs[1:4]:
         assert "This rank's state is saved in" in log, log[-3000:]
-    points = [_restored_step(log) for log in logs[2:]]
+    points = [restored_step(log) for log in logs[2:]]
     assert None not in points and points == sorted(points), points
-    results = _assert_recovered(out, set().union(*(lost for _, _, lost in runs)), ranks=2)
+    results = assert_recovered(out, set().union(*(lost for _, _, lost in runs)), ranks=2)
     # Callback state is one state: the checkpoint bookkeeping agrees on every rank after three recoveries.
     states = [r["checkpoint_callback"] for r in results]
     assert states[0]["best_k_models"] and all(state == states[0] for state in states), states
@@ -190,9 +142,9 @@ def _replica_runs(out: Path) -> tuple[Path, Runs]:
     then to the end."""
     env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_DEVICES="4", OSCARS_TEST_REPLICA_SIZE="2")
     env["OSCARS_TEST_PRECISION"] = "bf16-mixed"
-    code, log = _run([sys.executable, CASE, str(out)], {**env, "OSCARS_TEST_KILL": "6", "OSCARS_TEST_KILL_RANK": "2"})
-    lost = {pid for pid in _pids_by_last_step(out) if _rank_of(out, pid) in (2, 3)}
-    return out, [(code, log, lost), (*_run([sys.executable, CASE, str(out)], env), set())]
+    code, log = run([sys.executable, CASE, str(out)], {**env, "OSCARS_TEST_KILL": "6", "OSCARS_TEST_KILL_RANK": "2"})
+    lost = {pid for pid in pids_by_last_step(out) if rank_of(out, pid) in (2, 3)}
+    return out, [(code, log, lost), (*run([sys.executable, CASE, str(out)], env), set())]
 
 
 @pytest.mark.extended
@@ -202,60 +154,21 @@ def test_with_replica_groups_a_replica_is_the_unit_lost(sequences):
     with no weight."""
     out, ((first, log1, lost), (last, log2, _)) = sequences["replicas"]
     assert first != 0 and log1.count("This rank's state is saved in") == 2, log1[-4000:]
-    assert last == 0 and _restored_step(log2) is not None, log2[-4000:]
-    _assert_recovered(out, lost, ranks=4)
-
-
-def _rank_of(out: Path, pid: int) -> int | None:
-    lines = (out / f"trained-{pid}.jsonl").read_text().splitlines()
-    return json.loads(lines[0])["rank"] if lines else None
-
-
-def _restored_step(log: str) -> int | None:
-    """The global step of the recovery point a run restored from (``None``: it restored from none)."""
-    found = re.search(re.escape(RESTORED) + r"\S*oscars-recovery/step-(\d+)/", log)
-    return int(found.group(1)) if found else None
-
-
-def _steps(out: Path, pid: int) -> list[int]:
-    lines = (out / f"trained-{pid}.jsonl").read_text().splitlines()
-    return [json.loads(line)["step"] for line in lines] or [-1]
-
-
-def _torchrun(port: int, *args: str) -> list[str]:
-    # torch's shared rendezvous store keeps the last round's keys across an agent's restart (pytorch/pytorch#135712):
-    # the ranks of a restarted round then wait for keys nobody writes. A store of the ranks' own avoids it.
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-    ]
-    return [*launcher, "--monitor-interval=1", *args, CASE]
-
-
-def _torchrun_env(kill: str) -> dict[str, str]:
-    env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_TORCHRUN="1", OSCARS_TEST_KILL=kill)
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return env
-
-
-def _pids_by_last_step(out: Path) -> dict[int, int]:
-    return {int(p.stem.split("-")[1]): max(_steps(out, int(p.stem.split("-")[1]))) for p in out.glob("trained-*")}
+    assert last == 0 and restored_step(log2) is not None, log2[-4000:]
+    assert_recovered(out, lost, ranks=4)
 
 
 @pytest.mark.extended
 def test_torchrun_restarts_its_ranks_and_they_go_on_from_the_survivors_state(tmp_path):
     """One torchrun agent, two ranks, ``--max-restarts=1``; rank 1 is SIGKILLed mid-epoch. Rank 0 saves its state and
     fails; the agent restarts both ranks, which find the recovery point by themselves (rank 1 from a copy)."""
-    cmd = _torchrun(free_port(), "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1")
-    code, log = _run([*cmd, str(tmp_path)], _torchrun_env("9"))
+    cmd = torchrun(free_port(), "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1")
+    code, log = run([*cmd, str(tmp_path)], torchrun_env("9"))
     assert code == 0, log[-4000:]
-    assert "This rank's state is saved in" in log and _restored_step(log) is not None, log[-4000:]
-    killed = {pid for pid, last in _pids_by_last_step(tmp_path).items() if last < 9}
+    assert "This rank's state is saved in" in log and restored_step(log) is not None, log[-4000:]
+    killed = {pid for pid, last in pids_by_last_step(tmp_path).items() if last < 9}
     assert len(killed) == 1
-    _assert_recovered(tmp_path, killed, ranks=2)
+    assert_recovered(tmp_path, killed, ranks=2)
 
 
 @pytest.mark.extended
@@ -264,14 +177,14 @@ def test_an_elastic_torchrun_job_goes_on_in_a_smaller_world_when_a_node_dies(tmp
     surviving agent restarts its rank in a world of one, which resumes from its own saved state."""
     port = free_port()
     args = ("--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=2", "--rdzv-conf=last_call_timeout=2")
-    host = start([*_torchrun(port, *args), str(tmp_path)], _torchrun_env("9"))
+    host = start([*torchrun(port, *args), str(tmp_path)], torchrun_env("9"))
     time.sleep(3)  # the first agent hosts the rendezvous store: it must be the one that survives
-    node = start([*_torchrun(port, *args), str(tmp_path)], {**_torchrun_env("9"), "OSCARS_TEST_KILL_AGENT": "1"})
+    node = start([*torchrun(port, *args), str(tmp_path)], {**torchrun_env("9"), "OSCARS_TEST_KILL_AGENT": "1"})
     try:
-        code, log = _finish(host)
+        code, log = finish(host)
     finally:
         kill_group(node)
     assert code == 0, log[-4000:]
-    killed = {pid for pid, last in _pids_by_last_step(tmp_path).items() if last < 9}
-    result = _assert_recovered(tmp_path, killed, ranks=1)[0]
+    killed = {pid for pid, last in pids_by_last_step(tmp_path).items() if last < 9}
+    result = assert_recovered(tmp_path, killed, ranks=1)[0]
     assert result["world_size"] == 1
