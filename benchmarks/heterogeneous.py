@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
+from benchmarks.ports import free_port
 from benchmarks.tables import markdown_table
 from lightning_oscars.control import fraction_of_ideal
 
@@ -148,12 +148,6 @@ def matched_args(oscars_run: dict) -> list[str]:
     return ["--option", f"max_local_steps={max(1, round(sum(tau) / len(tau)))}"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(job: list[str], nodes: int, env: dict[str, str], log: Path | None) -> int:
     """Run ``job`` (train_job's arguments) to its end: through Lightning's launcher, or as ``nodes`` torchrun agents
     on loopback (one per emulated node, as a cluster starts them). Output goes to ``log`` (``None``: this terminal).
@@ -161,7 +155,7 @@ def _launch(job: list[str], nodes: int, env: dict[str, str], log: Path | None) -
     with open(log, "w") if log is not None else nullcontext() as sink:
         if nodes == 1:
             return subprocess.run(job, timeout=900, env=env, stdout=sink, stderr=subprocess.STDOUT).returncode
-        port, per_node = _free_port(), int(job[job.index("--devices") + 1])
+        port, per_node = free_port(), int(job[job.index("--devices") + 1])
         agents = [
             subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}"]

@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from benchmarks.heterogeneous import PROFILES, REGIMES, plot, ranks_of, run, summarize
+from benchmarks.ports import free_port
 from benchmarks.tables import markdown_table
 
 PEERS = ("torchft-localsgd", "torchft-diloco", "torch-averager")
@@ -200,12 +200,6 @@ def train_rank(a: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------- one run
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _kill_group(proc: subprocess.Popen) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if proc.poll() is not None:
@@ -239,7 +233,7 @@ def run_peer(algo: str, sync_every: int, regime_args: list[str], epochs: int, sl
             # address() names the host; the replicas reach it on loopback
             where = ["--lighthouse", "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]]
         else:
-            where = ["--port", str(_free_port())]
+            where = ["--port", str(free_port())]
         step_ms = _regime_value(regime_args, "--step-ms", 0.0)
         hidden = int(_regime_value(regime_args, "--hidden", 512))
         n_train = int(_regime_value(regime_args, "--n-train", 16384))

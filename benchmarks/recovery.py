@@ -1,7 +1,7 @@
 """What a lost rank costs: oscars' recovery against restarting from the last checkpoint, and an undisturbed run.
 
     python -m benchmarks.recovery [--runs 3] [--kill-step 90] [--regime gpu-like|cpu] [--launcher lightning|torchrun]
-        [--name recovery]
+        [--strategy oscars|bsp|asp|ssp|dssp|dasp|ripples] [--name recovery]
 
 Two ranks through Lightning's launcher (rank 1 3x slower on scikit-learn's digits, 6 epochs; GPU-like: every step
 mostly a 60 ms sleep; cpu: the CNN's real compute, rank 1's slowdown a sleep of twice its measured step). Rank 1
@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.ports import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TRAIN_SAMPLES = 1438  # len(benchmarks.task.load_digits_split()[0]): the digits less the held-out test images
@@ -50,8 +51,8 @@ SCENARIOS = {
 STEP_MS = {"gpu-like": 60.0, "cpu": 0.0}
 
 
-def _launch(out: Path, mode: str, devices: int, kill_step: int | None, seed: int, regime: str) -> float:
-    cmd = [sys.executable, *_job(out, mode, kill_step, seed, regime), "--devices", str(devices)]
+def _launch(out: Path, job: list[str], devices: int) -> float:
+    cmd = [sys.executable, *job, "--devices", str(devices)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
     with open(out / "launches.log", "a") as log:
@@ -59,17 +60,17 @@ def _launch(out: Path, mode: str, devices: int, kill_step: int | None, seed: int
     return time.perf_counter() - started
 
 
-def _job(out: Path, mode: str, kill_step: int | None, seed: int, regime: str) -> list[str]:
+def _job(out: Path, mode: str, seed: int, regime: str, strategy: str, kill_step: int | None = None) -> list[str]:
     job = ["-m", "benchmarks.recovery_job", "--out", str(out), "--mode", mode, "--epochs", str(EPOCHS)]
-    job += ["--seed", str(seed), "--step-ms", str(STEP_MS[regime])]
+    job += ["--seed", str(seed), "--step-ms", str(STEP_MS[regime]), "--strategy", strategy]
     return job + (["--kill-step", str(kill_step)] if kill_step is not None else [])
 
 
-def _launch_agents(out: Path, mode: str, kill_step: int | None, seed: int, regime: str, node_back: bool) -> float:
+def _launch_agents(job: list[str], kill_step: int | None, out: Path, node_back: bool) -> float:
     """The job under torch's elastic agent: two agents on loopback (``--nnodes=1:2``, one rank each, restarts
     allowed); node 1 (its agent and rank) is SIGKILLed at ``kill_step``; ``node_back``: a new agent for node 1 is
     started as soon as it died. Returns the wall time until the first agent (the rendezvous host) exits."""
-    port = _free_port()
+    port = free_port()
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3"]
     agent += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-conf=last_call_timeout=2"]
     agent += ["--monitor-interval=1"]
@@ -77,17 +78,16 @@ def _launch_agents(out: Path, mode: str, kill_step: int | None, seed: int, regim
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     started = time.perf_counter()
     with open(out / "launches.log", "a") as log:
-        host = subprocess.Popen([*agent, *_job(out, mode, None, seed, regime)], stdout=log, stderr=log, env=env)
+        host = subprocess.Popen([*agent, *job], stdout=log, stderr=log, env=env)
         time.sleep(3)  # the host agent holds the rendezvous store: it is the one that survives
-        nodes = [subprocess.Popen([*agent, *_job(out, mode, kill_step, seed, regime)], stdout=log, stderr=log, env=env)]
+        killed = job + ([] if kill_step is None else ["--kill-step", str(kill_step)])
+        nodes = [subprocess.Popen([*agent, *killed], stdout=log, stderr=log, env=env)]
         try:
             while host.poll() is None and node_back and not (out / "killed.json").exists():
                 time.sleep(0.2)
             if host.poll() is None and node_back:
                 nodes[0].wait(timeout=60)
-                nodes.append(
-                    subprocess.Popen([*agent, *_job(out, mode, None, seed, regime)], stdout=log, stderr=log, env=env)
-                )
+                nodes.append(subprocess.Popen([*agent, *job], stdout=log, stderr=log, env=env))
             host.wait(timeout=900)
         finally:
             for p in [host, *nodes]:
@@ -96,23 +96,24 @@ def _launch_agents(out: Path, mode: str, kill_step: int | None, seed: int, regim
     return time.perf_counter() - started
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_scenario(
-    mode: str, launches: list[int], kill_step: int, seed: int, regime: str = "gpu-like", launcher: str = "lightning"
+    mode: str,
+    launches: list[int],
+    kill_step: int,
+    seed: int,
+    regime: str = "gpu-like",
+    launcher: str = "lightning",
+    strategy: str = "oscars",
 ) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         wall = 0.0
+        job = _job(out, mode, seed, regime, strategy)
+        kill = kill_step if len(launches) > 1 else None
         if launcher == "torchrun":
-            kill = kill_step if len(launches) > 1 else None
-            wall = _launch_agents(out, mode, kill, seed, regime, node_back=launches[-1] == 2 and kill is not None)
+            wall = _launch_agents(job, kill, out, node_back=launches[-1] == 2 and kill is not None)
         for k, devices in enumerate(launches if launcher == "lightning" else []):
-            wall += _launch(out, mode, devices, kill_step if k == 0 and len(launches) > 1 else None, seed, regime)
+            wall += _launch(out, _job(out, mode, seed, regime, strategy, kill if k == 0 else None), devices)
         if not (out / "result.json").exists():
             raise RuntimeError(
                 f"{mode} {launches}: the job did not finish\n{(out / 'launches.log').read_text()[-3000:]}"
@@ -140,6 +141,7 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=90)
     p.add_argument("--regime", default="gpu-like", choices=sorted(STEP_MS))
     p.add_argument("--launcher", default="lightning", choices=("lightning", "torchrun"))
+    p.add_argument("--strategy", default="oscars")
     p.add_argument("--name", default="recovery")
     a = p.parse_args()
     rows: dict[str, list[dict]] = {name: [] for name in SCENARIOS}
@@ -147,7 +149,8 @@ def main() -> None:
         for name, (mode, launches) in SCENARIOS.items():  # side by side, in turn, every run
             # The kill moves by 5 steps a run: the dead rank is caught at another point of its round each time.
             kill = a.kill_step + 5 * run
-            rows[name].append(run_scenario(mode, launches, kill, seed=run, regime=a.regime, launcher=a.launcher))
+            how = {"regime": a.regime, "launcher": a.launcher, "strategy": a.strategy}
+            rows[name].append(run_scenario(mode, launches, kill, seed=run, **how))
             print(name, rows[name][-1], flush=True)
     med = {
         name: {
@@ -158,9 +161,11 @@ def main() -> None:
     }
     RESULTS.mkdir(exist_ok=True)
     summary = {"runs": rows, "median": med, "kill_step": a.kill_step, "regime": a.regime, "launcher": a.launcher}
+    summary["strategy"] = a.strategy
     (RESULTS / f"{a.name}.json").write_text(json.dumps(summary))
     lines = [
-        f"# What a lost rank costs ({a.launcher}: 2 ranks, rank 1 3x slower, {a.regime}, digits, {EPOCHS} epochs;"
+        f"# What a lost rank costs ({a.strategy}, {a.launcher}: 2 ranks, rank 1 3x slower, {a.regime}, digits,"
+        f" {EPOCHS} epochs;"
         " rank 1 SIGKILLed at"
         f" step {a.kill_step} + 5 x run; medians of {a.runs})",
         "",

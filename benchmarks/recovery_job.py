@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from benchmarks.task import BenchModule  # noqa: E402
 from lightning_oscars import OscarsStrategy  # noqa: E402
+from lightning_oscars.paradigms import PARADIGMS  # noqa: E402
 
 
 class Recorder(L.Callback):
@@ -68,6 +69,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--step-ms", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--strategy", default="oscars", choices=("oscars", *PARADIGMS))
     a = p.parse_args()
     out = Path(a.out)
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
@@ -79,7 +81,9 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(out / "ckpt", save_last=True, save_on_train_epoch_end=True))
         ckpt_path = "last" if (out / "ckpt" / "last.ckpt").exists() else None
     trainer = L.Trainer(
-        strategy=OscarsStrategy(recovery=a.mode == "recovery"),
+        strategy=(PARADIGMS[a.strategy][0] if a.strategy in PARADIGMS else OscarsStrategy)(
+            recovery=a.mode == "recovery"
+        ),
         accelerator="cpu",
         # Under torchrun (one agent per emulated node) the world is the agents'; else Lightning's launcher starts it
         # (and sets WORLD_SIZE for its children: only torchrun's TORCHELASTIC_RUN_ID tells the two apart).
