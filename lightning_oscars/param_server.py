@@ -108,6 +108,7 @@ class ParameterServer:
         self._closed = False
         self._error: BaseException | None = None
         self._pending: list[int] = []  # remote workers whose reply from this shard waits for the rule
+        self._farewell: list[tuple[int, Any, Tensor]] = []  # STOP messages posted by abandon(), never waited for
         self._replying = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name=f"oscars-ps-{self.rank}", daemon=True)
         self._thread.start()
@@ -142,7 +143,7 @@ class ParameterServer:
                     self.shard.end_round(worker)
                 else:  # a pull: the parameters to continue from, whatever the clocks
                     with self._replying:
-                        dist.send(self.shard.round_start(worker), dst=worker, group=self._replies)
+                        self._reply(worker, self.shard.round_start(worker))
                 self._answer()
         except BaseException as error:  # noqa: BLE001 - a peer died: the workers' timeouts name it
             self._error = error
@@ -155,10 +156,19 @@ class ParameterServer:
             still = []
             for waiting in self._pending:
                 if self.shard.may_start(waiting):
-                    dist.send(self.shard.grant(waiting), dst=waiting, group=self._replies)
+                    self._reply(waiting, self.shard.grant(waiting))
                 else:
                     still.append(waiting)
             self._pending = still
+
+    def _reply(self, worker: int, values: Tensor) -> None:
+        """Send ``worker`` its reply (under ``_replying``). A worker that died meanwhile is stopped on this shard
+        instead: its clock holds nobody back, and the server goes on serving the others (a server thread that died
+        on it would leave every live worker's next push to this rank unreceived, a gloo send waiting for ever)."""
+        try:
+            dist.send(values, dst=worker, group=self._replies)
+        except Exception:  # noqa: BLE001 - the worker's own push or pull fails on its side, if it is alive at all
+            self.shard.stop(worker)
 
     # ------------------------------------------------------------------ the worker
 
@@ -232,16 +242,22 @@ class ParameterServer:
             self._await(work, server, timeout)
 
     def _send_to_servers(
-        self, op: float, payload: Tensor | None, busy_s: float, decision: Sequence[float] = (), more: bool = True
+        self,
+        op: float,
+        payload: Tensor | None,
+        busy_s: float,
+        decision: Sequence[float] = (),
+        more: bool = True,
+        servers: Sequence[int] | None = None,
     ) -> list[tuple[int, Any, Tensor]]:
-        """Start sending ``op`` to every remote server, with its shard's slice of ``payload`` (zeros without one) and
-        the rule's ``decision`` for this worker: ``(server, work, message)``, the message kept alive until its send
-        completes."""
+        """Start sending ``op`` to every remote server (or to ``servers``), with its shard's slice of ``payload``
+        (zeros without one) and the rule's ``decision`` for this worker: ``(server, work, message)``, the message
+        kept alive until its send completes."""
         if len(decision) > _DECISION:
             raise ValueError(f"a rule's decision has at most {_DECISION} numbers, got {len(decision)}")
         sends = []
         for server, (start, end) in enumerate(self.bounds):
-            if server == self.rank:
+            if server == self.rank or (servers is not None and server not in servers):
                 continue
             message = torch.zeros(_HEADER + end - start, dtype=torch.float32)
             message[: 5 + len(decision)] = torch.tensor([op, self.rank, self.clock, busy_s, float(more), *decision])
@@ -299,6 +315,21 @@ class ParameterServer:
         self.shard.end_round(self.rank)
         self._answer()
         self._tell(_END_ROUND)
+
+    def abandon(self) -> None:
+        """This worker stops now, waiting for nobody (a peer is lost): its clock holds nobody back, and every server
+        is sent STOP without waiting for it to be taken (a server whose rank died, or a busy one, may never take it;
+        the messages stay referenced until the process ends)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.shard.stop(self.rank)
+        self._answer()
+        for server in range(self.world_size):
+            try:
+                self._farewell += self._send_to_servers(_STOP, None, 0.0, servers=[server])
+            except Exception:  # noqa: BLE001 - a dead peer's connection may refuse the send at once: nothing to tell it
+                pass
 
     def close(self, wait_s: float | None = None, strict: bool = True) -> None:
         """This worker is done: tell every server, then wait (``wait_s``, by default the timeout) until this rank's

@@ -152,7 +152,7 @@ class ParameterServerScheme(ModelAveraging):
         """This worker stops now (its clock holds nobody back any more; every live server is told) and its server
         waits for nobody's last request."""
         if self.server is not None:
-            self.server.close(wait_s=0.0, strict=False)
+            self.server.abandon()
 
     def combine(self, tensors: Sequence[Tensor], meeting: RoundMeeting) -> None:
         server = self.server

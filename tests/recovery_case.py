@@ -14,7 +14,8 @@ or torchrun (``OSCARS_TEST_TORCHRUN=1``). The fit trains the indexed blobs for t
 * ``OSCARS_TEST_SIGTERM=STEP``: global rank 1 receives SIGTERM after global step STEP, once per OUT_DIR (a
   preemption notice: every rank stops at the next round boundary).
 * ``OSCARS_TEST_KILL_IN``: global rank 1 kills itself (SIGKILL) inside its first ``validation`` batch, its first
-  ``checkpoint`` write, or its ``first`` training batch of this run (once per OUT_DIR each).
+  ``checkpoint`` write, or its ``first`` training batch of this run, or (a parameter-server paradigm) half-way
+  through its 6th ``push``: its update sent to every server, its replies not received (once per OUT_DIR each).
 * ``OSCARS_TEST_DIE_SAVING=1``: global rank 0 dies (SIGKILL) half-way through writing its recovery state.
 * ``OSCARS_TEST_MODEL``: ``mlp`` (default), ``batchnorm`` or ``frozen`` (its first layer frozen).
 * ``OSCARS_TEST_SLOWDOWN``: how much slower rank 1 is (default 3; 1: equal speeds).
@@ -51,6 +52,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_oscars import HeterogeneityEmulator, OscarsStrategy, recovery_points  # noqa: E402
 from lightning_oscars.paradigms import PARADIGMS  # noqa: E402
+from lightning_oscars.param_server import ParameterServer  # noqa: E402
 
 
 class RecordedModule(IndexedModule):
@@ -97,6 +99,23 @@ class KillIn(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._die_in("first", trainer)
+
+
+def die_pushing(out: Path, push: int = 6) -> None:
+    """Global rank 1 dies (SIGKILL) in its ``push``-th round trip to the parameter server, once its update reached
+    every server and before its replies: the servers then hold a reply for a dead worker."""
+    original, pushes, marker = ParameterServer._own_grant, [0], out / "killed-in-push"
+
+    def own_grant(server: ParameterServer, sends: list[Any], receives: list[Any]) -> Any:
+        pushes[0] += 1
+        if server.rank == 1 and pushes[0] == push and not marker.exists():
+            for _, work, _ in sends:
+                work.wait()
+            marker.write_text("")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(server, sends, receives)
+
+    ParameterServer._own_grant = own_grant  # type: ignore[method-assign]
 
 
 def die_while_saving() -> None:
@@ -153,7 +172,9 @@ def main() -> None:
     callbacks: list[L.Callback] = [HeterogeneityEmulator({1: float(env.get("OSCARS_TEST_SLOWDOWN", "3"))})]
     if "OSCARS_TEST_KILL" in env:
         callbacks.append(KillAt(int(env["OSCARS_TEST_KILL"]), out, int(env.get("OSCARS_TEST_KILL_RANK", "1"))))
-    if "OSCARS_TEST_KILL_IN" in env:
+    if env.get("OSCARS_TEST_KILL_IN") == "push":
+        die_pushing(out)
+    elif "OSCARS_TEST_KILL_IN" in env:
         callbacks.append(KillIn(env["OSCARS_TEST_KILL_IN"], out))
     if "OSCARS_TEST_SIGTERM" in env:
         callbacks.append(SigtermAfter(int(env["OSCARS_TEST_SIGTERM"]), out))

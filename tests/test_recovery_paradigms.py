@@ -59,8 +59,13 @@ SEQUENCES: dict[str, tuple[dict[str, str], list[dict[str, str]]]] = {
         {"OSCARS_TEST_STRATEGY": "ssp"},
         [{"OSCARS_TEST_KILL": "8"}, {"OSCARS_TEST_KILL": "14", "OSCARS_TEST_KILL_RANK": "0"}],
     ),
-    # BSP (every rank waits for every other at every step), a BatchNorm model, rank 1 killed in the warm-up round.
-    "bsp": ({"OSCARS_TEST_STRATEGY": "bsp", "OSCARS_TEST_MODEL": "batchnorm"}, [{"OSCARS_TEST_KILL": "2"}]),
+    # BSP (every rank waits for every other at every step) on 3 ranks, a BatchNorm model: rank 1 killed in the warm-up
+    # round; then killed half-way through a push, once its update reached every server (which then hold a grant for
+    # a dead worker: the survivors' servers must go on serving each other).
+    "bsp": (
+        {"OSCARS_TEST_STRATEGY": "bsp", "OSCARS_TEST_MODEL": "batchnorm", "OSCARS_TEST_DEVICES": "3"},
+        [{"OSCARS_TEST_KILL": "2"}, {"OSCARS_TEST_KILL_IN": "push"}],
+    ),
     # DASP, equal speeds, a frozen layer, validation twice an epoch and a ModelCheckpoint every 5 steps: rank 1 killed
     # inside a validation, at the first batch of the restarted fit (twice in a row), inside a checkpoint write.
     "dasp": (
