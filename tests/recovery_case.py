@@ -1,8 +1,9 @@
 """One fit that may lose a rank, for tests/test_recovery.py: run it again (a restart) and it goes on by itself.
 
-Usage: python tests/recovery_case.py OUT_DIR. Through Lightning's launcher (``OSCARS_TEST_DEVICES`` ranks, default 2)
-or torchrun (``OSCARS_TEST_TORCHRUN=1``). The fit trains the indexed blobs for two epochs, rank 1
-3x slower, given no ``ckpt_path``: all it resumes from is the recovery point.
+Usage: python tests/recovery_case.py OUT_DIR. Through Lightning's launcher (``OSCARS_TEST_DEVICES`` ranks, default 2),
+torchrun (``OSCARS_TEST_TORCHRUN=1``) or as srun's tasks (``SLURM_*`` variables: ``recovery_checks.srun``). The
+fit trains the indexed blobs for two epochs, rank 1 3x slower, given no ``ckpt_path``: all it resumes from is the
+recovery point.
 
 * ``OSCARS_TEST_KILL=STEP``: global rank 1 (``OSCARS_TEST_KILL_RANK``) kills itself with SIGKILL as global step STEP
   starts, once per OUT_DIR (the marker ``killed-STEP``); with ``OSCARS_TEST_KILL_AGENT=1`` its torchrun agent first
@@ -185,6 +186,11 @@ def main() -> None:
         kept = {"monitor": "val_loss", "save_top_k": 2} if validate else {"save_top_k": -1}
         callbacks.append(ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=every, **kept))
     torchrun = os.environ.get("OSCARS_TEST_TORCHRUN") == "1"
+    devices, nodes = int(env.get("OSCARS_TEST_DEVICES", "2")), 1
+    if torchrun:
+        devices, nodes = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"]) // int(env["LOCAL_WORLD_SIZE"])
+    elif "SLURM_NTASKS" in env:  # started as srun starts its tasks: Lightning's SLURMEnvironment
+        devices, nodes = int(env["SLURM_NTASKS_PER_NODE"]), int(env["SLURM_NNODES"])
     timeout = timedelta(seconds=30)
     paradigm = env.get("OSCARS_TEST_STRATEGY")
     if paradigm:
@@ -200,8 +206,8 @@ def main() -> None:
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else int(os.environ.get("OSCARS_TEST_DEVICES", "2")),
-        num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else 1,
+        devices=devices,
+        num_nodes=nodes,
         max_epochs=2,
         precision=env.get("OSCARS_TEST_PRECISION", "32-true"),
         callbacks=callbacks,

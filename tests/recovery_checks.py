@@ -6,12 +6,14 @@ from __future__ import annotations
 import collections
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from subproc import ROOT, clean_env, kill_group, start
+from subproc import ROOT, clean_env, free_port, kill_group, start
 
 TIMEOUT = 150
 CASE = str(ROOT / "tests" / "recovery_case.py")
@@ -111,3 +113,46 @@ def torchrun_env(kill: str) -> dict[str, str]:
 
 def pids_by_last_step(out: Path) -> dict[int, int]:
     return {int(p.stem.split("-")[1]): max(steps(out, int(p.stem.split("-")[1]))) for p in out.glob("trained-*")}
+
+
+def srun(out: Path, env: dict[str, str], nodes: int, kill_wait_s: float = 30.0) -> tuple[list[int], str]:
+    """One job step as SLURM's ``srun`` runs it, emulated on loopback: a task per node, each its own process with
+    the ``SLURM_*`` variables srun sets (Lightning's ``SLURMEnvironment``; no launcher watches them). When a task
+    fails, the others get SIGTERM and, ``kill_wait_s`` later (SLURM's ``KillWait``), SIGKILL, as SLURM ends a step
+    whose task or node failed. A hang fails the test after ``TIMEOUT`` s. Returns the tasks' exit codes and logs."""
+    port, step = free_port(), len(list(out.glob("srun-*.log")))
+    tasks = []
+    for rank in range(nodes):
+        slurm = {"SLURM_NTASKS": str(nodes), "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": str(nodes)}
+        slurm.update(SLURM_PROCID=str(rank), SLURM_LOCALID="0", SLURM_NODEID=str(rank), SLURM_JOB_NAME="recovery")
+        slurm.update(SLURM_JOB_ID="4242", SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        log = open(out / f"srun-{step}-task{rank}.log", "w")  # noqa: SIM115 - closed below
+        proc = subprocess.Popen(
+            [sys.executable, CASE, str(out)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**env, **slurm},
+            start_new_session=True,
+        )
+        tasks.append((proc, log))
+    deadline, terminated = time.monotonic() + TIMEOUT, None
+    try:
+        while any(proc.poll() is None for proc, _ in tasks):
+            if time.monotonic() > deadline:
+                pytest.fail(f"srun step {step} did not finish within {TIMEOUT}s (deadlock?)")
+            if terminated is None and any(proc.returncode not in (None, 0) for proc, _ in tasks):
+                terminated = time.monotonic()
+                for proc, _ in tasks:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGTERM)
+            if terminated is not None and time.monotonic() > terminated + kill_wait_s:
+                for proc, _ in tasks:
+                    kill_group(proc)
+            time.sleep(0.1)
+    finally:
+        for proc, log in tasks:
+            kill_group(proc)
+            log.close()
+    logs = "".join((out / f"srun-{step}-task{rank}.log").read_text() for rank in range(nodes))
+    return [int(proc.returncode) for proc, _ in tasks], logs

@@ -25,6 +25,7 @@ from recovery_checks import (
     rank_of,
     restored_step,
     run,
+    srun,
     steps,
     torchrun,
     torchrun_env,
@@ -188,3 +189,20 @@ def test_an_elastic_torchrun_job_goes_on_in_a_smaller_world_when_a_node_dies(tmp
     killed = {pid for pid, last in pids_by_last_step(tmp_path).items() if last < 9}
     result = assert_recovered(tmp_path, killed, ranks=1)[0]
     assert result["world_size"] == 1
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("strategy", ["oscars", "ssp"])
+def test_a_slurm_job_requeued_after_a_node_died_goes_on_from_the_survivors_state(tmp_path, strategy):
+    """Two nodes of one task each, started as srun starts them (Lightning's SLURMEnvironment, no launcher): node 1's
+    task is SIGKILLed mid-epoch, SLURM sends the survivor SIGTERM (and SIGKILL 30 s later); the survivor saves its
+    state and exits. The requeued job (the same script, two tasks again) goes on from it."""
+    env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_KILL="9")
+    if strategy != "oscars":
+        env["OSCARS_TEST_STRATEGY"] = strategy
+    codes, log = srun(tmp_path, env, nodes=2)
+    assert codes[1] == -9 and codes[0] != 0 and "This rank's state is saved in" in log, (codes, log[-4000:])
+    killed = {pid for pid, last in pids_by_last_step(tmp_path).items() if last < 9}
+    codes, log = srun(tmp_path, env, nodes=2)  # the requeue
+    assert codes == [0, 0] and restored_step(log) is not None, (codes, log[-4000:])
+    assert_recovered(tmp_path, killed, ranks=2)
