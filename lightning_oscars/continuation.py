@@ -110,21 +110,24 @@ def continue_epoch(
         current = plan.round_at(slots)  # at a round boundary its progress is zero: nothing of it was trained
         positions = list(range(current.first_unit))
         for rank in range(plan.world_size):
-            done = plan.progress[rank] if rank < len(plan.progress) else 0
-            positions += current.units_of(rank)[:done]
+            positions += current.units_of(rank)[: _averaged_progress(plan, rank)]
     elif slots > 0:
         failed = plan.round_at(min(slots, plan.total_slots) - 1)
         positions = list(range(failed.first_unit))
         for rank in range(plan.world_size):
             reserved = failed.units_of(rank)
-            done = trained.get(rank, plan.progress[rank] if rank < len(plan.progress) else 0)
+            done = trained.get(rank, _averaged_progress(plan, rank))
             if not 0 <= done <= len(reserved):
                 raise ValueError(f"rank {rank} trained {done} units of a round that gave it {len(reserved)}")
             positions += reserved[:done]
             if rank not in trained:  # a lost rank's work after the last extra averaging is gone with it
-                started = plan.progress[rank] if rank < len(plan.progress) else 0
-                retrained += [plan.unit(p) for p in reserved[started:]]
+                retrained += [plan.unit(p) for p in reserved[_averaged_progress(plan, rank) :]]
     consumed = [plan.unit(p) for p in positions]
     taken = set(positions)
     rest = [plan.unit(p) for p in range(plan.total_units) if p not in taken]
     return EpochContinuation(epoch, tuple(consumed + rest), len(consumed), slots, tuple(retrained))
+
+
+def _averaged_progress(plan: FailedPlan, rank: int) -> int:
+    """The units ``rank`` had trained in the current round at its last extra averaging (0 if none)."""
+    return plan.progress[rank] if rank < len(plan.progress) else 0

@@ -169,7 +169,7 @@ class FitRecovery:
         old = EpochPlan.from_state_dict(point.world_size, plan_state)
         slots = position // loader.batches_per_slot
         survivors = point.survivors(rounds.world_size)
-        rounds.continuation = continue_epoch(old, epoch, slots, survivors, averaged=point.averaged or point.stopped)
+        rounds.continuation = continue_epoch(old, epoch, slots, survivors, averaged=point.averaged)
         self._order = (epoch, list(restored["recovery"]["order"]))
 
     def order_for(self, epoch: int) -> list[int] | None:
