@@ -203,11 +203,8 @@ class ParameterServer:
         back, the other shards' sends and receives are waited for on a helper thread: a dead peer's connection fails
         them at once, and that ends the own shard's wait too (which may be waiting for that peer's push, for ever;
         a pending gloo operation cannot be polled, and the server thread's receive from anyone does not fail)."""
-        if self.shard.may_start(self.rank):
-            granted = self.shard.wait(self.rank, self.timeout_s, self.peer_failure)
-            self._await_all(sends, receives)
-            return granted
         failed: list[BaseException] = []
+        watchers: list[threading.Thread] = []
 
         def watch() -> None:
             try:
@@ -216,20 +213,25 @@ class ParameterServer:
                 failed.append(error)
                 self.shard.wake()
 
+        def hold() -> None:  # the rule holds this worker back: watch the other shards meanwhile
+            watchers.append(threading.Thread(target=watch, name=f"oscars-ps-watch-{self.rank}", daemon=True))
+            watchers[0].start()
+
         def failure() -> str | None:
             if failed:
                 return str(failed[0])
             return self.peer_failure() if self.peer_failure is not None else None
 
-        watcher = threading.Thread(target=watch, name=f"oscars-ps-watch-{self.rank}", daemon=True)
-        watcher.start()
         try:
-            granted = self.shard.wait(self.rank, self.timeout_s, failure)
+            granted = self.shard.wait(self.rank, self.timeout_s, failure, on_hold=hold)
         except Exception as error:
             if failed:  # the peer's own error says more than "stopped waiting"
                 raise failed[0] from error
             raise
-        watcher.join()
+        if not watchers:  # granted at once
+            self._await_all(sends, receives)
+        else:
+            watchers[0].join()
         if failed:
             raise failed[0]
         return granted
@@ -316,15 +318,21 @@ class ParameterServer:
         self._answer()
         self._tell(_END_ROUND)
 
+    def _stop_working(self) -> bool:
+        """This worker pushes no more: its clock holds nobody back (``False``: it had stopped already)."""
+        if self._closed:
+            return False
+        self._closed = True
+        self.shard.stop(self.rank)
+        self._answer()  # nobody waits for this worker any more
+        return True
+
     def abandon(self) -> None:
         """This worker stops now, waiting for nobody (a peer is lost): its clock holds nobody back, and every server
         is sent STOP without waiting for it to be taken (a server whose rank died, or a busy one, may never take it;
         the messages stay referenced until the process ends)."""
-        if self._closed:
+        if not self._stop_working():
             return
-        self._closed = True
-        self.shard.stop(self.rank)
-        self._answer()
         for server in range(self.world_size):
             try:
                 self._farewell += self._send_to_servers(_STOP, None, 0.0, servers=[server])
@@ -335,11 +343,8 @@ class ParameterServer:
         """This worker is done: tell every server, then wait (``wait_s``, by default the timeout) until this rank's
         server has served everyone. Every rank calls it (its server ends when every other worker has stopped).
         ``strict``: raise if the server is still waiting or failed (else leave its daemon thread to the process)."""
-        if self._closed:
+        if not self._stop_working():
             return
-        self._closed = True
-        self.shard.stop(self.rank)
-        self._answer()  # nobody waits for this worker any more
         try:
             self._tell(_STOP)
         except RuntimeError:

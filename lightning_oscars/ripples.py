@@ -125,7 +125,7 @@ class GroupClient:
 
     def end_round(self) -> list[tuple[int, ...]]:
         """Leave the round: the groups left in the buffer, which must still be performed, in order."""
-        self._store.queue_push(f"{self.prefix}/requests", f"{_END},{self.rank}")
+        self.leave_round()
         left = []
         while (group := self._pop()) is not None:
             left.append(group)

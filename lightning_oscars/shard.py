@@ -267,12 +267,22 @@ class Shard:
         with self._changed:
             self._changed.notify_all()
 
-    def wait(self, worker: int, timeout_s: float, peer_failure: Callable[[], str | None] | None = None) -> Tensor:
+    def wait(
+        self,
+        worker: int,
+        timeout_s: float,
+        peer_failure: Callable[[], str | None] | None = None,
+        on_hold: Callable[[], None] | None = None,
+    ) -> Tensor:
         """Block until ``worker`` may start, then :meth:`grant` (the local worker's path). ``peer_failure`` is asked
-        every second while waiting: a reason it returns (a peer reported an error) ends the wait."""
+        every second while waiting: a reason it returns (a peer reported an error) ends the wait. ``on_hold`` is
+        called once, before the first wait, if the rule holds ``worker`` back."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
-            self.held += not self._may(worker)
+            if not self._may(worker):
+                self.held += 1
+                if on_hold is not None:
+                    on_hold()
             while not self._may(worker):
                 left = deadline - time.monotonic()
                 if left <= 0:
