@@ -89,6 +89,7 @@ class LightningAdapter:
         self._timers: list[Timer] = []
         self._requeue: tuple[int, Any] | None = None
         self._pending_accumulation = False  # a partial unit's gradients wait for the epoch's next no-op slot
+        self._last_outputs: Any = {}  # the last real step's outputs: what callbacks see on a no-op slot
         self._manual_steps_per_batch = 0
         self._validation_points: frozenset[int] | None = None  # where to validate after a mid-epoch re-size
         self._epoch_sized = False  # Lightning knows the current epoch's length (size_epoch ran since it was planned)
@@ -119,10 +120,15 @@ class LightningAdapter:
 
                 self._patch(thread, "_terminate_all", terminate_after_grace)
 
+    def patch(self, owner: object, name: str, replacement: Any) -> None:
+        """Replace ``owner.name`` with ``replacement`` until :meth:`remove` (the session's patches of user objects)."""
+        self._patch(owner, name, replacement)
+
     def remove(self, keep_zombie_guard: bool = False) -> None:
         """Put back everything :meth:`install` and :meth:`defer_zombie_guard` changed (a handler someone replaced since
         stays theirs). ``keep_zombie_guard``: a fit that failed leaves the kill deferred, so that the process lives to
         print its error and the other survivors to save (it goes with the process, which is ending)."""
+        self._last_outputs = {}
         kept: list[tuple[object, str, bool, Any]] = []
         while self._patches:
             owner, name, had_own, original = self._patches.pop()
@@ -236,7 +242,8 @@ class LightningAdapter:
             stepping = not loop._should_accumulate()
             if self._slot_is_real():
                 self._pending_accumulation = not stepping
-                return run_automatic(optimizer, batch_idx, kwargs)
+                self._last_outputs = run_automatic(optimizer, batch_idx, kwargs)
+                return self._last_outputs
             if stepping and self._pending_accumulation:
                 # The slot's unit was partial (the epoch's last batches): its real batches ran first and their
                 # gradients wait for this step, as ddp applies a partial unit at the epoch's last batch.
@@ -245,19 +252,21 @@ class LightningAdapter:
             elif stepping:
                 automatic.optim_progress.optimizer.step.increment_ready()
                 automatic.optim_progress.optimizer.step.increment_completed()
-            return {}
+            # Callbacks read a batch's outputs (SpikeDetection its "loss"): a no-op slot shows the rank's last real
+            # step's, as if that step were repeated, rather than a dict without the keys every real step has.
+            return self._last_outputs
 
         def manual_run(kwargs: Any) -> Any:
             progress = manual.optim_step_progress
             if self._slot_is_real():
                 before = progress.total.completed
-                output = run_manual(kwargs)
+                self._last_outputs = run_manual(kwargs)
                 self._manual_steps_per_batch = progress.total.completed - before
-                return output
+                return self._last_outputs
             for _ in range(self._manual_steps_per_batch):  # keep global_step equal on every rank
                 progress.increment_ready()
                 progress.increment_completed()
-            return {}
+            return self._last_outputs
 
         connector = trainer._logger_connector
         log_step = connector.update_train_step_metrics

@@ -10,13 +10,18 @@ or will not come, so none is attempted. A checkpoint holds the averaged model an
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+from lightning.fabric.utilities.apply_func import convert_to_tensors
 from lightning.pytorch.strategies import DDPStrategy
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_oscars.adapter import LightningAdapter
+from lightning_oscars.local_collectives import gather_ragged
 
 if TYPE_CHECKING:
     from lightning_oscars.session import FitSession
@@ -106,6 +111,40 @@ class LocalStepCollectives(DDPStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         self._forbid_collective("broadcast")
         return obj if self._failed else super().broadcast(obj, src)
+
+    def module_all_gather(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A fit's ``LightningModule.all_gather``: ranks that trained different numbers of batches gather lists of different
+        lengths (each rank's trained sample ids, gathered at the end of training). The shapes are compared first (one
+        small gather); equal ones go through Lightning's own ``all_gather``, a list of tensors of different lengths is
+        gathered by :func:`~lightning_oscars.local_collectives.gather_ragged`, anything else raises on every rank alike."""
+        strategy, name = self, getattr(self, "strategy_name", "oscars")
+
+        def all_gather(data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+            if strategy._in_local_step or strategy._failed:
+                return original(data, group=group, sync_grads=sync_grads)  # refused there, with the reason
+            module = strategy.lightning_module
+            tensors = convert_to_tensors(data, device=module.device if module is not None else strategy.root_device)
+            shapes = apply_to_collection(tensors, Tensor, lambda t: tuple(t.shape))
+            everyone: list[Any] = [None] * torch.distributed.get_world_size(group)
+            torch.distributed.all_gather_object(everyone, shapes, group=group)
+            if all(other == shapes for other in everyone):
+                return original(data, group=group, sync_grads=sync_grads)
+            if isinstance(tensors, (list, tuple)) and all(isinstance(t, Tensor) for t in tensors) and not sync_grads:
+                lists = [other for other in everyone if isinstance(other, (list, tuple))]
+                if len(lists) == len(everyone) and all(
+                    a == b
+                    for other in lists
+                    for a, b in zip(other, shapes)  # equal shapes where both lists have one
+                ):
+                    return gather_ragged(list(tensors), group=group)
+            raise RuntimeError(
+                f"all_gather got data of different shapes on the ranks ({everyone}): under strategy={name!r} ranks"
+                " train different numbers of batches, so what each rank collected differs in length. A list of"
+                " tensors (one per batch) is gathered with ragged lengths; for one tensor, pad it to a length every"
+                " rank knows, or gather a list."
+            )
+
+        return all_gather
 
     @property
     def _failed(self) -> bool:

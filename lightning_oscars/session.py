@@ -36,6 +36,7 @@ from lightning_oscars.callbacks import append_round_callbacks, insert_round_call
 from lightning_oscars.control import ControlData
 from lightning_oscars.fit_failures import FitFailures
 from lightning_oscars.loader import EpochOrder, LoadBalancedLoader, training_set_size
+from lightning_oscars.local_state import LocalState
 from lightning_oscars.recovery import RECOVERY_GRACE_S, FitRecovery
 from lightning_oscars.rounds import RoundController
 from lightning_oscars.schemes import RoundMeeting, SyncScheme
@@ -90,6 +91,7 @@ class FitSession:
         self._callbacks: list[Callback] = []
         self._validation_started: float | None = None
         self.failures = FitFailures(strategy, rounds, scheme, recovery)
+        self.local_state: LocalState | None = None  # made when training starts, for the module being fitted
 
     # ------------------------------------------------------------------ the session's lifecycle
 
@@ -176,6 +178,10 @@ class FitSession:
         restored, self.restored = self.restored, None
         module = self.strategy.lightning_module
         assert module is not None
+        self.local_state = LocalState(module)
+        gather = getattr(self.strategy, "module_all_gather", None)
+        if gather is not None:  # lists of different lengths (what each rank trained) can be gathered
+            self.adapter.patch(module, "all_gather", gather(module.all_gather))
         loader = self.loader
         units = loader.units_within(trainer.limit_train_batches) if loader else None
         position = LightningAdapter.resume_position(trainer)
@@ -315,11 +321,17 @@ class FitSession:
         started = time.perf_counter()
         try:
             tensors = self._synchronized_tensors(trainer)
-            meeting = RoundMeeting(mine.encode(n), ControlData.weight_index(n), self._sum_control, device)
+            control = mine.encode(n)
+            # The local state's entries ride behind the round's control data, in the same collective.
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]
+            tail = self.local_state.control_tail(callbacks) if self.local_state is not None else []
+            meeting = RoundMeeting([*control, *tail], ControlData.weight_index(n), self._sum_control, device)
             # Where nothing needs the models equal right after, a scheme may let the combination arrive late.
             late = next_slot is not None and rounds.may_combine_late(next_slot)
             (self.scheme.combine_late if late else self.scheme.combine)(tensors, meeting)
-            summed = meeting.summed()
+            summed = meeting.summed()[: len(control)]
+            if self.local_state is not None:
+                self.local_state.settle(meeting.summed()[len(control) :], device)
         except Exception as error:  # a peer died, raised or hung past the timeout: name it, save, then stop
             raise RuntimeError(self.failures.named(error) + self.failures.save(trainer, self.loader)) from error
         if self.recovery is not None:
@@ -356,12 +368,13 @@ class FitSession:
         extra = LightningAdapter.averaged_copies(trainer)
         module = s.lightning_module
         assert module is not None
+        moving = self.local_state.averaged() if self.local_state is not None else []  # frozen, yet moved by user code
         if not self.average_optimizer_state:
-            return averaged_tensors(module, extra_modules=extra)
+            return averaged_tensors(module, extra_modules=extra) + moving
         # Which parameters have optimizer state differs between ranks (a head some rank never used): only the state
         # every rank holds is averaged, so that all ranks pack buffers of one layout.
         mask = agree_on_layout(optimizer_state_layout(s.optimizers), s.root_device)
-        return averaged_tensors(module, s.optimizers, state_mask=mask, extra_modules=extra)
+        return averaged_tensors(module, s.optimizers, state_mask=mask, extra_modules=extra) + moving
 
     def report_failure(self, error: BaseException) -> None:
         """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""

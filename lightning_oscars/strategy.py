@@ -29,6 +29,7 @@ from lightning_oscars.adapter import LightningAdapter
 from lightning_oscars.collectives import LocalStepCollectives
 from lightning_oscars.control import RoundRecord
 from lightning_oscars.loader import empty_batch
+from lightning_oscars.local_collectives import LocalWorld
 from lightning_oscars.policy import SchedulePolicy, Solver
 from lightning_oscars.recovery import FitRecovery, find_recovery_point, recovery_store
 from lightning_oscars.recovery_points import RecoveryPoint
@@ -381,7 +382,11 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._in_local_step = self.is_active
         try:
-            return super().training_step(*args, **kwargs)
+            if not self._in_local_step:
+                return super().training_step(*args, **kwargs)
+            # A collective in user code (a loss that all-reduces every step) acts on this rank alone, or is refused.
+            with LocalWorld(self.strategy_name):
+                return super().training_step(*args, **kwargs)
         finally:
             self._in_local_step = False
 
