@@ -113,10 +113,11 @@ class LocalStepCollectives(DDPStrategy):
         return obj if self._failed else super().broadcast(obj, src)
 
     def module_all_gather(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """A fit's ``LightningModule.all_gather``: ranks that trained different numbers of batches gather lists of different
-        lengths (each rank's trained sample ids, gathered at the end of training). The shapes are compared first (one
-        small gather); equal ones go through Lightning's own ``all_gather``, a list of tensors of different lengths is
-        gathered by :func:`~lightning_oscars.local_collectives.gather_ragged`, anything else raises on every rank alike."""
+        """A fit's ``LightningModule.all_gather``: ranks that trained different numbers of batches gather lists of
+        different lengths (each rank's trained sample ids, gathered at the end of training). The shapes are compared
+        first (one small gather); equal ones go through Lightning's own ``all_gather``, a list of tensors of different
+        lengths is gathered by :func:`~lightning_oscars.local_collectives.gather_ragged`, anything else raises on
+        every rank alike."""
         strategy, name = self, getattr(self, "strategy_name", "oscars")
 
         def all_gather(data: Any, group: Any = None, sync_grads: bool = False) -> Any:

@@ -120,10 +120,11 @@ class MovingFrozen:
 
 
 def _walk(state: Any) -> Iterator[Tensor]:
-    """Floating-point tensors with at least one dimension, in a nested ``state_dict`` (keys sorted, so every rank
-    walks the same order). Scalars are left out: a checkpoint callback's best score is decided by every rank alike."""
+    """Floating-point tensors in a nested ``state_dict`` (keys sorted, so every rank walks the same order). Integers
+    are counters, the same on every rank; a checkpoint callback's best score, decided by every rank alike, is
+    averaged unchanged."""
     if isinstance(state, Tensor):
-        if state.is_floating_point() and state.dim() > 0:
+        if state.is_floating_point():
             yield state
     elif isinstance(state, Mapping):
         for key in sorted(state, key=str):
@@ -230,7 +231,7 @@ class LocalState:
         if moved:
             average_tensors(moved, 1.0, device)
         if summed_tail[0] > 0:
-            tensors = [t for _, _, held in self._held for t in held]
+            tensors = list({id(t): t for _, _, held in self._held for t in held}.values())  # each tensor once
             agree_on_numel(tensors, device, "callbacks' state tensors")
             if tensors:
                 average_tensors(tensors, 1.0, device)

@@ -35,6 +35,17 @@ class PruningModule(ToyModule):
     """ModelPruning's target: the plain MLP (BatchNorm included)."""
 
 
+class MaskProbe(Callback):
+    """Each pruning mask after every epoch's pruning: its zeros, and whether it holds only 0 and 1."""
+
+    def __init__(self) -> None:
+        self.masks: list[dict[str, list]] = []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        masks = {k: v for k, v in pl_module.state_dict().items() if k.endswith("_mask")}
+        self.masks.append({k: [int((v == 0).sum()), bool(((v == 0) | (v == 1)).all())] for k, v in masks.items()})
+
+
 class EMACallback(Callback):
     """A user's EMA of the module's state, updated after every batch and kept in the callback's ``state_dict``, as
     diffusion and vision code does (not Lightning's ``WeightAveraging``)."""
@@ -142,20 +153,25 @@ class GatherModule(ToyModule):
         super().__init__(**kwargs)
         self.trained_rows: list[torch.Tensor] = []
         self.gathered: list[float] | None = None
+        self.tensor_error = ""
 
     def training_step(self, batch, batch_idx):
         self.trained_rows.append(batch[0][:, 0].detach())
         return super().training_step(batch, batch_idx)
 
     def on_train_end(self) -> None:
-        rows = torch.cat(self.trained_rows)
-        self.gathered = self.all_gather(rows).reshape(-1).tolist()
+        gathered = self.all_gather(self.trained_rows)  # a list as long as the batches this rank trained
+        self.gathered = torch.cat(gathered).reshape(-1).tolist()
+        try:  # one tensor of different lengths cannot be stacked: a clear error on every rank
+            self.all_gather(torch.cat(self.trained_rows))
+        except RuntimeError as error:
+            self.tensor_error = str(error)
 
 
 def build(case: str) -> tuple[L.LightningModule, list[Callback]]:
     if case == "pruning":
         prune = ModelPruning("l1_unstructured", amount=0.25, make_pruning_permanent=True, verbose=0)
-        return PruningModule(step_cost=0.004), [prune]
+        return PruningModule(step_cost=0.004), [prune, MaskProbe()]
     if case == "ema_callback":
         return ToyModule(step_cost=0.004), [EMACallback()]
     if case == "teacher":
@@ -199,6 +215,8 @@ def run_one(strategy_name: str, case: str, out: Path) -> None:
         result["error"] = f"{type(error).__name__}: {error}"
     result.update(rank=trainer.global_rank, state=state_of(module), steps_taken=module.steps_taken)
     for cb in callbacks:
+        if isinstance(cb, MaskProbe):
+            result["masks"] = cb.masks
         if isinstance(cb, EMACallback) and cb.ema is not None:
             result["ema"] = {k: v.reshape(-1).tolist() for k, v in cb.ema.items()}
     if isinstance(module, SpectralModule):
@@ -210,6 +228,9 @@ def run_one(strategy_name: str, case: str, out: Path) -> None:
         result["zeros"] = {k: int((v == 0).sum()) for k, v in module.state_dict().items() if k.endswith("weight")}
     if isinstance(module, GatherModule):
         result["gathered"] = module.gathered
+        result["trained_rows"] = torch.cat(module.trained_rows).tolist()
+        result["tensor_error"] = module.tensor_error
+        result["dataset_rows"] = module.train_dataloader().dataset.tensors[0][:, 0].tolist()
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
