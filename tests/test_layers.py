@@ -49,7 +49,19 @@ CORE = {
     "timing",
     "warmup",
 }
-DIST = {"_c10d", "averaging", "faults", "outer", "overlap", "param_server", "ripples", "schemes", "server_scheme"}
+DIST = {
+    "_c10d",
+    "averaging",
+    "faults",
+    "local_collectives",
+    "local_state",
+    "outer",
+    "overlap",
+    "param_server",
+    "ripples",
+    "schemes",
+    "server_scheme",
+}
 LIGHTNING = {
     "__init__",
     "adapter",
