@@ -17,6 +17,7 @@ element ``i`` of the result stacks the ``i``-th entries of the ranks whose list 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -86,9 +87,21 @@ def local_all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = N
     return _Done() if async_op else None
 
 
+def _in_thread(thread: int, replacement: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    """``replacement`` on the step's thread, ``original`` on every other (a parameter server's thread serves its
+    shard point to point while the step runs)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return (replacement if threading.get_ident() == thread else original)(*args, **kwargs)
+
+    call.__wrapped__ = replacement  # type: ignore[attr-defined]
+    return call
+
+
 class LocalWorld:
     """Replaces ``torch.distributed``'s public collectives while a local step runs (see the module docstring); puts
-    the originals back on exit, whatever happened. ``strategy``: the strategy's name, for the errors."""
+    the originals back on exit, whatever happened. Only the thread that entered it is affected. ``strategy``: the
+    strategy's name, for the errors."""
 
     def __init__(self, strategy: str = "oscars") -> None:
         self.strategy = strategy
@@ -107,11 +120,13 @@ class LocalWorld:
 
     def __enter__(self) -> LocalWorld:
         replacements = {"all_reduce": local_all_reduce, **{name: self._refuse(name) for name in refused_collectives()}}
+        step_thread = threading.get_ident()
         for owner in (dist, distributed_c10d):
             for name, replacement in replacements.items():
                 if hasattr(owner, name):
-                    self._saved.append((owner, name, getattr(owner, name)))
-                    setattr(owner, name, replacement)
+                    original = getattr(owner, name)
+                    self._saved.append((owner, name, original))
+                    setattr(owner, name, _in_thread(step_thread, replacement, original))
         return self
 
     def __exit__(
