@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.ports import free_port
+from benchmarks.ports import free_port, wait_until_listening
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TRAIN_SAMPLES = 1438  # len(benchmarks.task.load_digits_split()[0]): the digits less the held-out test images
@@ -79,7 +79,7 @@ def _launch_agents(job: list[str], kill_step: int | None, out: Path, node_back: 
     started = time.perf_counter()
     with open(out / "launches.log", "a") as log:
         host = subprocess.Popen([*agent, *job], stdout=log, stderr=log, env=env)
-        time.sleep(3)  # the host agent holds the rendezvous store: it is the one that survives
+        wait_until_listening(port, host)  # the first agent hosts the rendezvous store: it must survive
         killed = job + ([] if kill_step is None else ["--kill-step", str(kill_step)])
         nodes = [subprocess.Popen([*agent, *killed], stdout=log, stderr=log, env=env)]
         try:

@@ -11,6 +11,7 @@ averaging, outer steps, ...) are not offered.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -134,9 +135,9 @@ class StepSyncStrategy(OscarsStrategy):
             **ddp_wrapper_kwargs,
         )
 
+    @abstractmethod
     def validate(self) -> None:
-        """Raise ``ValueError`` naming a bad option of the paradigm."""
-        raise NotImplementedError
+        """Raise ``ValueError`` naming a bad option of the paradigm (a base class: a paradigm defines it)."""
 
     @property
     def timeout_s(self) -> float:
@@ -180,9 +181,9 @@ class ParameterServerStrategy(StepSyncStrategy):
                     )
                     break
 
+    @abstractmethod
     def make_rule(self) -> StalenessRule:
-        """A fresh staleness rule for one fit."""
-        raise NotImplementedError
+        """A fresh staleness rule for one fit (a base class: a paradigm defines it)."""
 
     def make_scheme(self) -> SyncScheme:
         return ParameterServerScheme(self.make_rule, timeout_s=self.timeout_s, server_momentum=self.server_momentum)

@@ -5,6 +5,7 @@ import pytest
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.append(str(Path(__file__).parent.parent))  # the benchmarks package (subproc takes its port helpers)
 
 
 @pytest.fixture

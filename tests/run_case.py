@@ -214,6 +214,35 @@ class ManualModule(ToyModule):
         return [torch.optim.SGD(self.net.parameters(), lr=0.05), torch.optim.SGD(self.head.parameters(), lr=0.05)]
 
 
+class ClipModule(ToyModule):
+    """Records every real step's gradient norm before and after Lightning's clipping."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.grad_norms: list[list[float]] = []  # [before, after] per optimizer step
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        def norm() -> float:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+        before = norm()
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.grad_norms.append([before, norm()])
+
+
+class PrecisionModule(ToyModule):
+    """Records the dtype a linear layer computes in inside every real training step."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.step_dtypes: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        self.step_dtypes.append(str(self.net[0](batch[0]).dtype))
+        return super().training_step(batch, batch_idx)
+
+
 class SchedModule(ToyModule):
     def __init__(self, interval: str, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -403,8 +432,10 @@ def build(case: str, out: Path):
     elif case == "accumulate":
         kwargs.update(accumulate_grad_batches=2)
     elif case == "clip":
+        module = ClipModule(step_cost=0.004, lr=0.5)  # a large step makes gradients that need clipping
         kwargs.update(gradient_clip_val=0.5)
     elif case == "bf16":
+        module = PrecisionModule(step_cost=0.004)
         kwargs.update(precision="bf16-mixed")
     elif case == "sched_step":
         module = SchedModule("step", step_cost=0.004)
@@ -741,7 +772,8 @@ def run_one(case: str, out: Path) -> None:
         validations_per_epoch=per_epoch.validations,
         handled_at=handled_at,
     )
-    for name in ("optimizer_steps", "steps_per_epoch", "trained", "trained_steps", "rare_sums", "loss_sums"):
+    names = ("optimizer_steps", "steps_per_epoch", "trained", "trained_steps", "rare_sums", "loss_sums")
+    for name in (*names, "grad_norms", "step_dtypes"):
         if hasattr(module, name):
             result[name] = getattr(module, name)
     if hasattr(module, "big"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+
+from benchmarks.ports import free_port, wait_until_listening  # noqa: F401 - the tests take them from here
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,12 +92,6 @@ def run_in_pairs(
             log, _ = proc.communicate()
             results[index] = (None, log)
     return [r for r in results if r is not None]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_script(path: Path, name: str) -> ModuleType:

@@ -312,13 +312,19 @@ def _rounds_end_at_validations(result: dict) -> None:
 
 
 def test_val_check_interval_int(tmp_path, tmp_path_factory):
-    fast, _ = finished("val_int", tmp_path, tmp_path_factory)
+    fast, slow = finished("val_int", tmp_path, tmp_path_factory)
     assert "val_acc" in fast["metrics"]
+    # Every 7 batches (slots) of every epoch, on both ranks alike.
+    assert fast["validated_at"] == slow["validated_at"] and fast["validated_at"]
+    assert all(done % 7 == 0 for _, done in fast["validated_at"]), fast["validated_at"]
+    for epoch, ends in enumerate(fast["round_ends_per_epoch"]):
+        assert [d for e, d in fast["validated_at"] if e == epoch] == list(range(7, ends[-1] + 1, 7))
 
 
 def test_check_val_every_n_epoch(tmp_path, tmp_path_factory):
-    fast, _ = finished("check_val_every_n_epoch", tmp_path, tmp_path_factory)
+    fast, slow = finished("check_val_every_n_epoch", tmp_path, tmp_path_factory)
     assert "val_loss" in fast["metrics"]
+    assert fast["validations_per_epoch"] == slow["validations_per_epoch"] == [0, 1, 0, 1]  # epochs 2 and 4
 
 
 def test_limit_train_batches_float(tmp_path, tmp_path_factory):
@@ -342,11 +348,16 @@ def test_accumulate_grad_batches(tmp_path, tmp_path_factory):
 
 
 def test_gradient_clip_val(tmp_path, tmp_path_factory):
-    finished("clip", tmp_path, tmp_path_factory)
+    for rank in finished("clip", tmp_path, tmp_path_factory):
+        norms = rank["grad_norms"]
+        assert len(norms) == rank["steps_taken"]  # every real step clipped, no-op slots none
+        assert any(before > 0.5 for before, _ in norms), "some gradient needed clipping"
+        assert all(after <= 0.5 + 1e-4 for _, after in norms), max(after for _, after in norms)
 
 
 def test_bf16_mixed(tmp_path, tmp_path_factory):
-    finished("bf16", tmp_path, tmp_path_factory)
+    for rank in finished("bf16", tmp_path, tmp_path_factory):
+        assert rank["step_dtypes"] and set(rank["step_dtypes"]) == {"torch.bfloat16"}
 
 
 def test_step_interval_lr_scheduler(tmp_path, tmp_path_factory):

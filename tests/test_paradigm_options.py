@@ -28,13 +28,26 @@ def test_an_option_no_paradigm_serves_is_refused_naming_it(paradigm: str, option
 def test_pinned_local_steps_are_refused_on_the_server_and_step_times_suggested(paradigm: str) -> None:
     with pytest.raises(ValueError, match=rf"strategy='{paradigm}' does not take local_steps=.*Pin step_times"):
         PARADIGMS[paradigm][0](local_steps=(4, 1))
-    PARADIGMS[paradigm][0](step_times=(0.01, 0.03))  # deadline rounds sized from them: served
+    strategy = PARADIGMS[paradigm][0](step_times=(0.01, 0.03))  # deadline rounds sized from them: served
+    assert tuple(strategy.pinned_step_times) == (0.01, 0.03)
 
 
 def test_options_the_paradigms_serve_are_still_taken() -> None:
-    PARADIGMS["ripples"][0](local_steps=(4, 1))  # ripples does not wait on anybody: plain rounds serve it
-    PARADIGMS["bsp"][0](average_optimizer_state=True, warmup_steps=2, max_local_steps=8)
-    PARADIGMS["ssp"][0](staleness=2, solver="alg1", averaging="samples")
+    ripples = PARADIGMS["ripples"][0](local_steps=(4, 1))  # ripples does not wait on anybody: plain rounds serve it
+    assert tuple(ripples.pinned_local_steps) == (4, 1)
+    bsp = PARADIGMS["bsp"][0](average_optimizer_state=True, warmup_steps=2, max_local_steps=8)
+    assert (bsp.average_optimizer_state, bsp.warmup_steps, bsp.max_local_steps) == (True, 2, 8)
+    ssp = PARADIGMS["ssp"][0](staleness=2, solver="alg1", averaging="samples")
+    assert (ssp.staleness, ssp.solver, ssp.averaging) == (2, "alg1", "samples")
+
+
+def test_the_base_classes_cannot_be_built_and_say_what_a_paradigm_defines() -> None:
+    from lightning_oscars import ParameterServerStrategy, StepSyncStrategy
+
+    with pytest.raises(TypeError, match="abstract class StepSyncStrategy .*validate"):
+        StepSyncStrategy()
+    with pytest.raises(TypeError, match="abstract class ParameterServerStrategy .*make_rule"):
+        ParameterServerStrategy()
 
 
 @pytest.mark.parametrize("bad", [-0.5, 1.0, "0.9", True])

@@ -4,7 +4,6 @@ torchft is installed: it is in the ``bench`` extra, not the test one)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -122,9 +121,10 @@ def test_a_plain_loop_peer_trains_every_shard_and_ends_averaged(algo, sync_every
 @pytest.mark.multiprocess
 @pytest.mark.extended  # the benchmark harness end to end (CI runs the extended run)
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is in the bench extra")
-def test_torchft_local_sgd_runs_on_loopback_and_ends_averaged():
-    r = run_peer("torchft-localsgd", 4, TINY, epochs=1, slowdown="1:2")
+@pytest.mark.parametrize("algo", ["torchft-localsgd", "torchft-diloco"])
+def test_torchft_runs_on_loopback_and_ends_averaged(algo):
+    # torchft is in the test extra: CI installs it, so this never skips there.
+    r = run_peer(algo, 4, TINY, epochs=1, slowdown="1:2")
     assert [c["real_steps"] for c in r["cluster"]] == [8, 8] and r["rounds"] == 2
     first, second = r["param_checksums"]
     assert first == pytest.approx(second, rel=1e-6, abs=1e-6)

@@ -10,7 +10,6 @@ a hard timeout), and no recovery point is left behind once the fit ended.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ from recovery_checks import (
     torchrun,
     torchrun_env,
 )
-from subproc import clean_env, free_port, kill_group, start
+from subproc import clean_env, free_port, kill_group, start, wait_until_listening
 
 pytestmark = pytest.mark.multiprocess
 
@@ -179,7 +178,7 @@ def test_an_elastic_torchrun_job_goes_on_in_a_smaller_world_when_a_node_dies(tmp
     port = free_port()
     args = ("--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=2", "--rdzv-conf=last_call_timeout=2")
     host = start([*torchrun(port, *args), str(tmp_path)], torchrun_env("9"))
-    time.sleep(3)  # the first agent hosts the rendezvous store: it must be the one that survives
+    wait_until_listening(port, host)  # the first agent hosts the rendezvous store: it must survive
     node = start([*torchrun(port, *args), str(tmp_path)], {**torchrun_env("9"), "OSCARS_TEST_KILL_AGENT": "1"})
     try:
         code, log = finish(host)

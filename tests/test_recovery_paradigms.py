@@ -11,7 +11,6 @@ run's hard timeout. Long runs: the extended run (CI runs it after the default on
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +29,7 @@ from recovery_checks import (
     torchrun,
     torchrun_env,
 )
-from subproc import clean_env, free_port, kill_group, start
+from subproc import clean_env, free_port, kill_group, start, wait_until_listening
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.extended]
 
@@ -131,7 +130,7 @@ def test_a_parameter_server_job_under_torchrun_goes_on_in_a_smaller_world_when_a
     args = ("--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=2", "--rdzv-conf=last_call_timeout=2")
     env = {**torchrun_env("9"), "OSCARS_TEST_STRATEGY": "ssp"}
     host = start([*torchrun(port, *args), str(tmp_path)], env)
-    time.sleep(3)  # the first agent hosts the rendezvous store: it must be the one that survives
+    wait_until_listening(port, host)  # the first agent hosts the rendezvous store: it must survive
     node = start([*torchrun(port, *args), str(tmp_path)], {**env, "OSCARS_TEST_KILL_AGENT": "1"})
     try:
         code, log = finish(host)

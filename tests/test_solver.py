@@ -71,11 +71,14 @@ def test_exact_solver_matches_brute_force(seed):
 
 
 def test_tolerance_prefers_the_shortest_good_round():
-    times = [0.1, 0.3]
+    # 1 : 3.5 speeds: the best throughput needs 7 : 2 steps (0.7 s rounds); 3 : 1 is within 20% at half the length.
+    times = [0.1, 0.35]
     tight = solve_schedule(times, 0.0, tolerance=0.0, max_local_steps=12)
     loose = solve_schedule(times, 0.0, tolerance=0.2, max_local_steps=12)
-    assert loose.period <= tight.period
-    assert loose.throughput >= 0.8 * tight.throughput
+    assert tight.local_steps == (7, 2) and loose.local_steps == (3, 1)
+    assert loose.period < tight.period and loose.throughput >= 0.8 * tight.throughput
+    # A tighter tolerance settles between the two: (4, 1) loses 2.8%, within 5%, and 3 : 1's 11% is not.
+    assert solve_schedule(times, 0.0, tolerance=0.05, max_local_steps=12).local_steps == (4, 1)
 
 
 def test_allreduce_cost_lengthens_rounds():
