@@ -45,7 +45,9 @@ def test_checkpoint_writes_are_not_timed_as_steps(tmp_path, tmp_path_factory):
     assert len(list((case_dir("slow_checkpoint_write") / "steps").glob("*.ckpt"))) >= 3
     solved = [h for h in fast["history"] if h["round"] > 1]
     assert solved, fast["history"]
-    assert all(h["local_steps"][0] >= 2 * h["local_steps"][1] for h in solved), [h["local_steps"] for h in solved]
+    # No step time holds a 0.15 s write (the steps take a few ms), and the fast rank stays the busier in every round.
+    assert max(t for h in fast["history"] for t in h["step_times"]) < 0.1, [h["step_times"] for h in fast["history"]]
+    assert all(h["local_steps"][0] > h["local_steps"][1] for h in solved), [h["local_steps"] for h in solved]
     # Nor as a round's fixed cost: the write (rank 0) and Lightning's barrier after it (rank 1 waits there) made
     # a round with a write read as 0.15 s of all-reduce; once such rounds filled half the window of recent costs,
     # the cost-aware solver lengthened the rounds ([9, 3] -> [11, 4] -> [9, 3]).
