@@ -31,10 +31,11 @@ taking more local steps):
 * **self.log inside training_step.** ``on_step=True, sync_dist=True`` logs the rank-local value (the ranks run
   different numbers of steps, so a per-step reduction could never be matched); ``on_epoch=True`` values and
   everything logged in validation/test are reduced as under ddp.
-* **Collectives inside training_step** cannot be matched either: the strategy's own (``self.all_gather``,
-  ``trainer.strategy.barrier`` / ``broadcast``) raise a clear error there; raw ``torch.distributed`` calls and
-  torchmetrics with ``dist_sync_on_step=True`` cannot be intercepted and would hang until the collective
-  timeout. Torchmetrics objects that sync at ``compute()`` (the default, as in ``examples/synthetic.py``) work.
+* **Collectives inside training_step** cannot be matched either: a raw ``torch.distributed.all_reduce`` acts
+  as if every rank held this rank's values (a self-supervised loss's per-step center works), and every other
+  collective (``self.all_gather``, ``trainer.strategy.barrier`` / ``broadcast``, raw gathers, torchmetrics with
+  ``dist_sync_on_step=True``) raises a clear error naming the call. Torchmetrics objects that sync at
+  ``compute()`` (the default, as in ``examples/synthetic.py``) work.
 * **Validation, checkpoints, end of fit** see the averaged model: the strategy averages right before them, so
   ``ModelCheckpoint``, ``EarlyStopping`` on validation metrics and ``trainer.validate``/``test`` after ``fit``
   behave as under ddp, and every rank ends ``fit`` with identical weights. Checkpoints also store the schedule
