@@ -5,7 +5,8 @@ torchrun (``OSCARS_TEST_TORCHRUN=1``) or as srun's tasks (``SLURM_*`` variables:
 fit trains the indexed blobs for two epochs, rank 1 3x slower, given no ``ckpt_path``: all it resumes from is the
 recovery point.
 
-* ``OSCARS_TEST_KILL=STEP``: global rank 1 (``OSCARS_TEST_KILL_RANK``) kills itself with SIGKILL as global step STEP
+* ``OSCARS_TEST_KILL=STEP`` (or ``+N``: N steps after the step the fit starts from): global rank 1
+  (``OSCARS_TEST_KILL_RANK``) kills itself with SIGKILL as global step STEP
   starts, once per OUT_DIR (the marker ``killed-STEP``); with ``OSCARS_TEST_KILL_AGENT=1`` its torchrun agent first
   (a node lost).
 * ``OSCARS_TEST_STRATEGY``: a paradigm (``bsp``, ``asp``, ``ssp``, ``dssp``, ``dasp``, ``ripples``) instead of
@@ -136,10 +137,17 @@ def die_while_saving() -> None:
 
 
 class KillAt(L.Callback):
-    """Global rank ``rank`` dies (SIGKILL, no cleanup) when ``step`` starts, once per output directory."""
+    """Global rank ``rank`` dies (SIGKILL, no cleanup) when ``step`` starts, once per output directory; ``"+N"``: N
+    steps after the step the fit starts from (a restart resumes wherever the last failure saved)."""
 
-    def __init__(self, step: int, out: Path, rank: int = 1) -> None:
-        self.step, self.marker, self.rank = step, out / f"killed-{step}", rank
+    def __init__(self, step: str, out: Path, rank: int = 1) -> None:
+        self.relative, self.step = step.startswith("+"), int(step.lstrip("+"))
+        self.marker, self.rank = out / f"killed-{step}", rank
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.relative:
+            self.step += trainer.global_step
+            self.relative = False
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step and not self.marker.exists():
@@ -172,7 +180,7 @@ def main() -> None:
     module = (ValidatedModule if validate else RecordedModule)(env.get("OSCARS_TEST_MODEL", "mlp"), out)
     callbacks: list[L.Callback] = [HeterogeneityEmulator({1: float(env.get("OSCARS_TEST_SLOWDOWN", "3"))})]
     if "OSCARS_TEST_KILL" in env:
-        callbacks.append(KillAt(int(env["OSCARS_TEST_KILL"]), out, int(env.get("OSCARS_TEST_KILL_RANK", "1"))))
+        callbacks.append(KillAt(env["OSCARS_TEST_KILL"], out, int(env.get("OSCARS_TEST_KILL_RANK", "1"))))
     if env.get("OSCARS_TEST_KILL_IN") == "push":
         die_pushing(out)
     elif "OSCARS_TEST_KILL_IN" in env:
