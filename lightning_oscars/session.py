@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -323,7 +324,8 @@ class FitSession:
             tensors = self._synchronized_tensors(trainer)
             control = mine.encode(n)
             # The local state's entries ride behind the round's control data, in the same collective.
-            callbacks = trainer.callbacks  # type: ignore[attr-defined]
+            # Checkpoint and early-stopping scores are agreed by every rank at each decision: nothing to average.
+            callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, (Checkpoint, EarlyStopping))]  # type: ignore[attr-defined]
             tail = self.local_state.control_tail(callbacks) if self.local_state is not None else []
             meeting = RoundMeeting([*control, *tail], ControlData.weight_index(n), self._sum_control, device)
             # Where nothing needs the models equal right after, a scheme may let the combination arrive late.
