@@ -176,9 +176,15 @@ class LightningAdapter:
 
     def _broadcast_on_noop_slots(self, hook: Callable[..., Any]) -> Callable[..., Any]:
         def on_train_batch_end(trainer: Trainer, *args: Any, **kwargs: Any) -> Any:
+            real = self._slot_is_real()
+            if not real:  # no loss on a no-op slot (not the repeated outputs other callbacks see): it records a NaN
+                if "outputs" in kwargs:
+                    kwargs["outputs"] = {}
+                elif len(args) >= 2:  # (pl_module, outputs, batch, batch_idx)
+                    args = (args[0], {}, *args[2:])
             result = hook(trainer, *args, **kwargs)
             stepped = (trainer.fit_loop.batch_idx + 1) % trainer.accumulate_grad_batches == 0
-            if not self._slot_is_real() and stepped:
+            if not real and stepped:
                 trainer.should_stop = trainer.strategy.broadcast(trainer.should_stop)
             return result
 

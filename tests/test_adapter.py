@@ -132,3 +132,27 @@ def test_a_second_sigterm_ends_the_process_at_once():
     done = subprocess.run([sys.executable, "-c", _SIGTERM_SCRIPT], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["deferred", "alive"], done.stdout + done.stderr
     assert done.returncode == -15, done.returncode
+
+
+def test_the_lr_finder_sees_no_loss_on_a_no_op_slot_and_broadcasts_once_there():
+    """Other callbacks see a no-op slot's repeated outputs; the LR finder's hook must see none (it then records a NaN
+    and returns before its own broadcast), or the no-op rank would broadcast twice and the ranks would hang."""
+    real = [True]
+    adapter = LightningAdapter(lambda: real[0], torch.device("cpu"))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    broadcasts: list[bool] = []
+    trainer.strategy.broadcast = lambda obj, src=0: broadcasts.append(obj) or obj  # type: ignore[method-assign]
+    seen: list[object] = []
+
+    def hook(trainer, pl_module, outputs, batch, batch_idx):  # the finder's: it broadcasts only after a real loss
+        seen.append(outputs)
+        if outputs:
+            trainer.should_stop = trainer.strategy.broadcast(trainer.should_stop)
+
+    wrapped = adapter._broadcast_on_noop_slots(hook)
+    wrapped(trainer, None, {"loss": torch.tensor(1.0)}, None, 0)
+    real[0] = False
+    wrapped(trainer, None, {"loss": torch.tensor(1.0)}, None, 1)  # the repeated outputs of a no-op slot
+    wrapped(trainer, None, outputs={"loss": torch.tensor(1.0)}, batch=None, batch_idx=2)
+    assert [bool(o) for o in seen] == [True, False, False]
+    assert len(broadcasts) == 3  # one per slot, real or not
