@@ -199,7 +199,9 @@ def main() -> None:
         devices, nodes = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"]) // int(env["LOCAL_WORLD_SIZE"])
     elif "SLURM_NTASKS" in env:  # started as srun starts its tasks: Lightning's SLURMEnvironment
         devices, nodes = int(env["SLURM_NTASKS_PER_NODE"]), int(env["SLURM_NNODES"])
-    timeout = timedelta(seconds=30)
+    # Short enough that a hang fails fast; OSCARS_TEST_TIMEOUT_S lengthens it for a crowded launch (the rendezvous
+    # waits this long for rank 0's store).
+    timeout = timedelta(seconds=float(env.get("OSCARS_TEST_TIMEOUT_S", "30")))
     paradigm = env.get("OSCARS_TEST_STRATEGY")
     if paradigm:
         # A timeout no test run reaches: a survivor waiting for the dead rank (a staleness bound, a group) must see

@@ -141,6 +141,9 @@ def _replica_runs(out: Path) -> tuple[Path, Runs]:
     """Four ranks in two replicas of two (``replica_size=2``), bf16 mixed precision; rank 2 is SIGKILLed mid-epoch;
     then to the end."""
     env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_DEVICES="4", OSCARS_TEST_REPLICA_SIZE="2")
+    # Four ranks start beside two other sequences' on two cores: once, a restart's ranks waited more than 30 s for
+    # rank 0's rendezvous store. The failure itself is seen from a closed connection, not from this timeout.
+    env["OSCARS_TEST_TIMEOUT_S"] = "90"
     env["OSCARS_TEST_PRECISION"] = "bf16-mixed"
     code, log = run([sys.executable, CASE, str(out)], {**env, "OSCARS_TEST_KILL": "6", "OSCARS_TEST_KILL_RANK": "2"})
     lost = {pid for pid in pids_by_last_step(out) if rank_of(out, pid) in (2, 3)}
@@ -154,7 +157,7 @@ def test_with_replica_groups_a_replica_is_the_unit_lost(sequences):
     with no weight."""
     out, ((first, log1, lost), (last, log2, _)) = sequences["replicas"]
     assert first != 0 and log1.count("This rank's state is saved in") == 2, log1[-4000:]
-    assert last == 0 and restored_step(log2) is not None, log2[-4000:]
+    assert last == 0 and restored_step(log2) is not None, log2[:3000] + "\n[...]\n" + log2[-4000:]
     assert_recovered(out, lost, ranks=4)
 
 

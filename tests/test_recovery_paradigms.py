@@ -53,11 +53,12 @@ def _sequence(out: Path, common: dict[str, str], events: list[dict[str, str]]) -
 
 SEQUENCES: dict[str, tuple[dict[str, str], list[dict[str, str]]]] = {
     # SSP, rank 1 3x slower: rank 0 waits at the staleness bound for rank 1, which dies there (mid-round); then rank 0
-    # dies 4 steps into the restarted fit (the rank that hosts the rendezvous store: rank 1 must save without it).
-    # Relative: where the first failure saved (the round's end) depends on the measured speeds.
+    # dies at the restarted fit's second step (the rank that hosts the rendezvous store: rank 1 must save without it).
+    # Relative, and early: where the first failure saved depends on the measured speeds, and once only 4 steps were
+    # left after it.
     "ssp": (
         {"OSCARS_TEST_STRATEGY": "ssp"},
-        [{"OSCARS_TEST_KILL": "8"}, {"OSCARS_TEST_KILL": "+4", "OSCARS_TEST_KILL_RANK": "0"}],
+        [{"OSCARS_TEST_KILL": "8"}, {"OSCARS_TEST_KILL": "+1", "OSCARS_TEST_KILL_RANK": "0"}],
     ),
     # BSP (every rank waits for every other at every step) on 3 ranks, a BatchNorm model: rank 1 killed in the warm-up
     # round; then killed half-way through a push, once its update reached every server (which then hold a grant for
