@@ -8,13 +8,25 @@ from __future__ import annotations
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_oscars.core.control import RoundRecord
+from lightning_oscars.core.loader import LoadBalancedLoader
+from lightning_oscars.core.partition import EpochPlan, plan_rounds, planned_slots, round_quotas
+from lightning_oscars.core.policy import SchedulePolicy
+from lightning_oscars.core.rounds import RoundController, RoundOutcome
+from lightning_oscars.core.solver import (
+    Schedule,
+    schedule_from_local_steps,
+    solve_schedule,
+    solve_schedule_alg1,
+)
+from lightning_oscars.core.timeline import plot_timeline
+from lightning_oscars.dist.schemes import ModelAveraging, RoundMeeting, SyncScheme
+
 # First: refuses an unsupported Lightning release before anything touches its internals.
-from lightning_oscars.adapter import SUPPORTED_LIGHTNING, check_lightning_version
-from lightning_oscars.control import RoundRecord
-from lightning_oscars.heterogeneity import HeterogeneityEmulator, SlowdownProfile
-from lightning_oscars.loader import LoadBalancedLoader
-from lightning_oscars.monitor import ScheduleMonitor, round_metrics, summarize_history
-from lightning_oscars.paradigms import (
+from lightning_oscars.lightning._internals import SUPPORTED_LIGHTNING, check_lightning_version
+from lightning_oscars.lightning.heterogeneity import HeterogeneityEmulator, SlowdownProfile
+from lightning_oscars.lightning.monitor import ScheduleMonitor, round_metrics, summarize_history
+from lightning_oscars.lightning.paradigms import (
     PARADIGMS,
     ASPStrategy,
     BSPStrategy,
@@ -25,18 +37,7 @@ from lightning_oscars.paradigms import (
     SSPStrategy,
     StepSyncStrategy,
 )
-from lightning_oscars.partition import EpochPlan, plan_rounds, planned_slots, round_quotas
-from lightning_oscars.policy import SchedulePolicy
-from lightning_oscars.rounds import RoundController, RoundOutcome
-from lightning_oscars.schemes import ModelAveraging, RoundMeeting, SyncScheme
-from lightning_oscars.solver import (
-    Schedule,
-    schedule_from_local_steps,
-    solve_schedule,
-    solve_schedule_alg1,
-)
-from lightning_oscars.strategy import OscarsStrategy
-from lightning_oscars.timeline import plot_timeline
+from lightning_oscars.lightning.strategy import OscarsStrategy
 
 __version__ = "0.1.0"
 

@@ -26,7 +26,7 @@ def meeting(control, weight_index=0, group=None):
     in its own all-reduce unless the scheme carried it."""
     import torch
 
-    from lightning_oscars.schemes import RoundMeeting
+    from lightning_oscars.dist.schemes import RoundMeeting
 
     def sum_control(values):
         summed = torch.tensor(list(values), dtype=torch.float64)

@@ -60,7 +60,7 @@ def ddp_fit() -> list[float]:
 def server_fits() -> list[int]:
     """Three short fits of a parameter-server paradigm on one Trainer: the process groups alive after each (the
     default group's registry; a test's look into torch's private state). Each fit makes two groups of its own."""
-    from lightning_oscars.paradigms import SSPStrategy
+    from lightning_oscars.lightning.paradigms import SSPStrategy
 
     module = ToyModule(n=64, step_cost=0.001)
     trainer = L.Trainer(

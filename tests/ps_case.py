@@ -18,8 +18,8 @@ import torch
 from lightning.fabric import Fabric
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from lightning_oscars.param_server import ParameterServer
-from lightning_oscars.staleness import ASP, BSP, SSP
+from lightning_oscars.core.staleness import ASP, BSP, SSP
+from lightning_oscars.dist.param_server import ParameterServer
 
 STEPS = 20
 

@@ -53,8 +53,8 @@ from torch import Tensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_oscars import HeterogeneityEmulator, OscarsStrategy, recovery_points  # noqa: E402
-from lightning_oscars.paradigms import PARADIGMS  # noqa: E402
-from lightning_oscars.param_server import ParameterServer  # noqa: E402
+from lightning_oscars.dist.param_server import ParameterServer  # noqa: E402
+from lightning_oscars.lightning.paradigms import PARADIGMS  # noqa: E402
 
 
 class RecordedModule(IndexedModule):

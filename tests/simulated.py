@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch.utils.data import DataLoader
 
 from lightning_oscars import RoundController
-from lightning_oscars.loader import LoadBalancedLoader
+from lightning_oscars.core.loader import LoadBalancedLoader
 
 
 class Time:

@@ -1,4 +1,5 @@
-"""The adapter's reads and writes of Lightning's state, against a real Trainer and Lightning's own validation check."""
+"""The adapter's patches and its reads and writes of Lightning's state, against a real Trainer and Lightning's own
+validation check."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_oscars.adapter import LightningAdapter
+from lightning_oscars.lightning.adapter import LightningAdapter
+from lightning_oscars.lightning.tuner_patch import LRFinderSlots
 
 
 def _validated_batches(trainer: pl.Trainer, adapter: LightningAdapter, length: int, resize: dict[int, int]) -> list:
@@ -14,11 +16,13 @@ def _validated_batches(trainer: pl.Trainer, adapter: LightningAdapter, length: i
     length at that batch's end (a re-solved schedule). Returns the 1-based batches Lightning's own check validates."""
     loop = trainer.fit_loop.epoch_loop
     loop._should_check_val_epoch = lambda: True  # type: ignore[method-assign]  # no model attached: validation is on
+    adapter.read_epoch(trainer)  # as the session plans the epoch: where it validates, read once
     adapter.size_epoch(trainer, length)
     validated, batch_idx = [], 0
     while batch_idx < trainer.num_training_batches:
         loop.batch_progress.current.ready = batch_idx + 1  # Lightning's batch_idx is ready - 1
         loop.batch_progress.is_last_batch = batch_idx + 1 == trainer.num_training_batches
+        _batch_ends(adapter, batch_idx)
         if batch_idx in resize:
             adapter.size_epoch(trainer, resize[batch_idx], mid_epoch=True)
         adapter.pace_validation(trainer, batch_idx)
@@ -64,12 +68,18 @@ def test_validation_slots_predict_where_lightning_validates(interval, length, re
         assert predicted  # the cases all validate inside the epoch
 
 
+def _batch_ends(adapter: LightningAdapter, batch_idx: int) -> None:
+    """What the session tells the epoch's validation at every batch's end, before a re-plan may re-size the epoch."""
+    if adapter.epoch.validation is not None:
+        adapter.epoch.validation.at_batch(batch_idx)
+
+
 def _predicted_and_validated(
     trainer: pl.Trainer, adapter: LightningAdapter, length: int, resize: dict[int, int]
 ) -> tuple[list[int], list[int]]:
     """One epoch planned and walked as the strategy does: the slots the plan is told at the epoch's start (updated
     where ``resize`` re-sizes the epoch), and the 1-based batches Lightning's own check validates."""
-    points = adapter.validation_slots(trainer, batches_per_slot=1)
+    points = adapter.read_epoch(trainer).boundaries
     assert points is not None
     predicted = list(points(length))
     loop = trainer.fit_loop.epoch_loop
@@ -79,6 +89,7 @@ def _predicted_and_validated(
     while batch_idx < trainer.num_training_batches:
         loop.batch_progress.current.ready = batch_idx + 1
         loop.batch_progress.is_last_batch = batch_idx + 1 == trainer.num_training_batches
+        _batch_ends(adapter, batch_idx)
         if batch_idx in resize:
             ahead = [p for p in points(resize[batch_idx]) if p > batch_idx + 1]
             predicted = [p for p in predicted if p <= batch_idx + 1] + ahead
@@ -95,25 +106,28 @@ def test_validation_slots_are_none_when_the_epoch_does_not_validate_by_its_own_b
     adapter = LightningAdapter(lambda: True, torch.device("cpu"))
     for options in ({"check_val_every_n_epoch": None, "val_check_interval": 10}, {"check_val_every_n_epoch": 2}):
         trainer = pl.Trainer(logger=False, enable_checkpointing=False, devices=1, **options)  # epoch 0 of 2: none
-        assert adapter.validation_slots(trainer, 1) is None
-    trainer = pl.Trainer(val_check_interval=7, logger=False, enable_checkpointing=False, devices=1)
-    points = adapter.validation_slots(trainer, batches_per_slot=2)
-    assert points is not None and points(20) == (4, 7, 11, 14, 18)  # batches 7, 14, ...: the slots holding them
+        assert adapter.read_epoch(trainer).boundaries is None
+    trainer = pl.Trainer(
+        val_check_interval=7, accumulate_grad_batches=2, logger=False, enable_checkpointing=False, devices=1
+    )
+    shape = adapter.read_epoch(trainer)
+    assert shape.batches_per_slot == 2 and shape.boundaries is not None
+    assert shape.boundaries(20) == (4, 7, 11, 14, 18)  # batches 7, 14, ...: the slots holding them
     monkeypatch.setattr(pl.Trainer, "enable_validation", property(lambda self: False))
-    assert adapter.validation_slots(trainer, 1) is None
+    assert adapter.read_epoch(trainer).boundaries is None
 
 
 _SIGTERM_SCRIPT = """
 import os, signal, sys, time
 from types import SimpleNamespace
-from lightning_oscars.adapter import LightningAdapter
+from lightning_oscars.lightning.patches import Patches
+from lightning_oscars.lightning.signal_patch import DeferredSignals
 
 trainer = SimpleNamespace(
     _signal_connector=SimpleNamespace(_original_handlers={}),
     _accelerator_connector=SimpleNamespace(cluster_environment=None),
 )
-adapter = LightningAdapter(lambda: True, None)
-adapter._install_signal_handlers(trainer, lambda: print("deferred", flush=True), lambda: None)
+DeferredSignals().install(trainer, Patches(), lambda: print("deferred", flush=True), lambda: None)
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.2)
 print("alive", flush=True)  # the first one waits for the round boundary
@@ -138,7 +152,7 @@ def test_the_lr_finder_sees_no_loss_on_a_no_op_slot_and_broadcasts_once_there():
     """Other callbacks see a no-op slot's repeated outputs; the LR finder's hook must see none (it then records a NaN
     and returns before its own broadcast), or the no-op rank would broadcast twice and the ranks would hang."""
     real = [True]
-    adapter = LightningAdapter(lambda: real[0], torch.device("cpu"))
+    finder = LRFinderSlots(lambda: real[0])
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     broadcasts: list[bool] = []
     trainer.strategy.broadcast = lambda obj, src=0: broadcasts.append(obj) or obj  # type: ignore[method-assign]
@@ -149,7 +163,7 @@ def test_the_lr_finder_sees_no_loss_on_a_no_op_slot_and_broadcasts_once_there():
         if outputs:
             trainer.should_stop = trainer.strategy.broadcast(trainer.should_stop)
 
-    wrapped = adapter._broadcast_on_noop_slots(hook)
+    wrapped = finder.broadcast_on_noop_slots(hook)
     wrapped(trainer, None, {"loss": torch.tensor(1.0)}, None, 0)
     real[0] = False
     wrapped(trainer, None, {"loss": torch.tensor(1.0)}, None, 1)  # the repeated outputs of a no-op slot

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from lightning_oscars.averaging import (
+from lightning_oscars.dist.averaging import (
     DIGITS,
     FlatAverager,
     add_flat,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_oscars import RoundController, SchedulePolicy
-from lightning_oscars.continuation import EpochContinuation, Survivor, continue_epoch
-from lightning_oscars.partition import EpochPlan
+from lightning_oscars.core.continuation import EpochContinuation, Survivor, continue_epoch
+from lightning_oscars.core.partition import EpochPlan
 
 
 def trained_from(plan: EpochPlan, start_slot: int, world: int) -> list[int]:

@@ -13,9 +13,9 @@ from simulated import SimClock, Time, wired_loader
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oscars import RoundController, SchedulePolicy
-from lightning_oscars.control import ControlData
-from lightning_oscars.deadline import DeadlinePacer, plan_deadline, quantile_step, reservations
-from lightning_oscars.partition import EpochPlan, deadline_epoch_slots, held_reservation, reservation_scale
+from lightning_oscars.core.control import ControlData
+from lightning_oscars.core.deadline import DeadlinePacer, plan_deadline, quantile_step, reservations
+from lightning_oscars.core.partition import EpochPlan, deadline_epoch_slots, held_reservation, reservation_scale
 
 
 def test_reservations_last_until_the_deadline_with_fast_steps():
@@ -135,7 +135,7 @@ def test_settle_rejects_counts_beyond_the_reservation():
 
 # The loader times its data fetching with the real clock; in simulated time that would add a few microseconds of
 # real noise to each round's first step, enough to steer the schedule differently from run to run.
-@mock.patch("lightning_oscars.loader.time.perf_counter", new=lambda: 0.0)
+@mock.patch("lightning_oscars.core.loader.time.perf_counter", new=lambda: 0.0)
 def simulate(
     deadline: bool,
     epochs: int = 3,

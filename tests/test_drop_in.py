@@ -10,7 +10,7 @@ import pytest
 import torch
 from subproc import ROOT, assert_clean_exit, run
 
-from lightning_oscars.partition import max_epoch_slots
+from lightning_oscars.core.partition import max_epoch_slots
 
 TIMEOUT = 120
 

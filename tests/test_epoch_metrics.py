@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
-from lightning_oscars.epoch_metrics import align_epoch_metrics, synced_epoch_keys
+from lightning_oscars.lightning.epoch_metrics import align_epoch_metrics, synced_epoch_keys
 
 
 def _no_sync(value, *args, **kwargs):

@@ -9,8 +9,8 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import RandomSampler, SequentialSampler, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_oscars.adapter import unwrap_sampler
-from lightning_oscars.loader import EpochOrder
+from lightning_oscars.core.loader import EpochOrder
+from lightning_oscars.lightning._internals import unwrap_sampler
 
 DATA = list(range(50))
 
@@ -41,7 +41,7 @@ def test_a_custom_sampler_is_drawn_and_shared():
     weights[0] = 1000.0
     user = WeightedRandomSampler(weights, num_samples=30, replacement=True)
     wrapped = DistributedSamplerWrapper(user, num_replicas=2, rank=1)  # what Lightning injects around it
-    order = EpochOrder.of(unwrap_sampler(wrapped), 50, None)  # the driver unwraps it (adapter)
+    order = EpochOrder.of(unwrap_sampler(wrapped), 50, None)  # the session unwraps it (_internals)
     assert order.kind == "sampler" and order.shared and order.num_samples == 30
     drawn = order.draw(0)
     assert len(drawn) == 30 and drawn.count(0) > 15

@@ -4,7 +4,7 @@ from datetime import timedelta
 
 from torch.distributed import HashStore
 
-from lightning_oscars.faults import FailureBoard, describe_collective_failure
+from lightning_oscars.dist.faults import FailureBoard, describe_collective_failure
 
 
 def test_message_names_the_rank_that_raised():

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_oscars.fit_failures import FitFailures
+from lightning_oscars.lightning.fit_failures import FitFailures
 
 PEER_GONE = RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:1234")
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from lightning_oscars.groups import GroupBoard, connected, meetings, mixing_matrix, static_division
+from lightning_oscars.core.groups import GroupBoard, connected, meetings, mixing_matrix, static_division
 
 
 def drive(

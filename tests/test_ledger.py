@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_oscars.control import ControlData, RankReport
-from lightning_oscars.ledger import COST_WINDOW, JITTER_SMOOTHING, RoundLedger
+from lightning_oscars.core.control import ControlData, RankReport
+from lightning_oscars.core.ledger import COST_WINDOW, JITTER_SMOOTHING, RoundLedger
 
 
 def summed(*reports: RankReport, stop: bool = False, requeue: bool = False) -> ControlData:

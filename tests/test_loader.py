@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_oscars.loader import LoadBalancedLoader
-from lightning_oscars.partition import EpochPlan, planned_slots
+from lightning_oscars.core.loader import LoadBalancedLoader
+from lightning_oscars.core.partition import EpochPlan, planned_slots
 
 LOCAL_STEPS = (3, 1)
 

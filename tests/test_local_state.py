@@ -12,8 +12,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrizations, prune
 
-from lightning_oscars.local_collectives import LocalWorld, local_all_reduce, refused_collectives
-from lightning_oscars.local_state import MovingFrozen, callback_state_tensors, refresh_derived, write_back
+from lightning_oscars.core._nn_state import refresh_derived
+from lightning_oscars.dist.local_collectives import LocalWorld, local_all_reduce, refused_collectives
+from lightning_oscars.dist.local_state import MovingFrozen, callback_state_tensors, write_back
 
 
 def _student_and_teacher() -> nn.Module:

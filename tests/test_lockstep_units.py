@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_oscars.deadline import DeadlinePacer
-from lightning_oscars.loader import LoadBalancedLoader
-from lightning_oscars.partition import EpochPlan
-from lightning_oscars.policy import SchedulePolicy
-from lightning_oscars.rounds import RoundController
-from lightning_oscars.shard import Shard
-from lightning_oscars.staleness import BSP, SSP
+from lightning_oscars.core.deadline import DeadlinePacer
+from lightning_oscars.core.loader import LoadBalancedLoader
+from lightning_oscars.core.partition import EpochPlan
+from lightning_oscars.core.policy import SchedulePolicy
+from lightning_oscars.core.rounds import RoundController
+from lightning_oscars.core.shard import Shard
+from lightning_oscars.core.staleness import BSP, SSP
 
 
 def unit(worker: int) -> torch.Tensor:

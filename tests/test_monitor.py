@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from lightning_oscars import RoundRecord, ScheduleMonitor, round_metrics, summarize_history
-from lightning_oscars.monitor import run_fraction_of_ideal
+from lightning_oscars.lightning.monitor import run_fraction_of_ideal
 
 
 def record(round_: int, local_steps, step_times, compute, allreduce=0.01, rebalanced=False):

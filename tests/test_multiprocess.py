@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -498,6 +499,7 @@ def _checked(results: list[dict]) -> list[dict]:
 
 # Mid-epoch resumes: every first run (which writes a checkpoint mid-epoch), then its second run (which resumes from it
 # in the same directory), three such chains at a time.
+PREMOVE_CHECKPOINT = Path(__file__).parent / "data" / "premove_midepoch.ckpt"
 MIDEPOCH = ("midepoch", "deadline_midepoch", "ripples_midepoch", "ssp_midepoch", "overlap_midepoch")
 
 
@@ -506,11 +508,18 @@ def midepoch_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[P
     """Per name of ``MIDEPOCH``: its directory, the first run's results and the resumed run's (each resume starts as
     soon as its first run ended, two chains at a time)."""
     dirs = {name: tmp_path_factory.mktemp(name) for name in MIDEPOCH}
-    run_chains([[(f"{name}_first", out), (f"{name}_second", out)] for name, out in dirs.items()], at_once=3)
-    return {
+    chains = [[(f"{name}_first", out), (f"{name}_second", out)] for name, out in dirs.items()]
+    # And a resume from a checkpoint an older release wrote (midepoch_first at 0.1.0, before the sub-packages).
+    premove = tmp_path_factory.mktemp("premove")
+    (premove / "steps").mkdir()
+    shutil.copy(PREMOVE_CHECKPOINT, premove / "steps" / "epoch=0-step=5.ckpt")
+    run_chains([*chains, [("midepoch_second", premove)]], at_once=3)
+    runs = {
         name: (out, _renamed_results(f"{name}_first", out), case_results(f"{name}_second", out))
         for name, out in dirs.items()
     }
+    runs["premove"] = (premove, [], case_results("midepoch_second", premove))
+    return runs
 
 
 def _renamed_results(case: str, out: Path) -> list[dict]:
@@ -609,6 +618,16 @@ def test_resume_mid_epoch_uses_every_sample_once(midepoch_runs):
     assert before > 0
     # The resumed run trains on exactly the rest of epoch 0 and all of epoch 1: nothing lost, nothing repeated.
     assert before + after == 2 * 512
+
+
+def test_a_checkpoint_written_before_the_sub_packages_resumes_and_uses_every_sample_once(midepoch_runs):
+    """``tests/data/premove_midepoch.ckpt``: ``midepoch_first``'s checkpoint at step 5, written by 0.1.0 when every
+    module sat at the package's root. It resumes mid-epoch where it stopped, its round plan restored."""
+    written = json.loads(PREMOVE_CHECKPOINT.with_suffix(".json").read_text())
+    _, _, second = midepoch_runs["premove"]
+    second = _checked(second)
+    assert second[0]["epoch"] == written["final_epoch"] and second[0]["global_step"] == written["final_global_step"]
+    assert sum(written["trained_before_step_5"]) + sum(r["seen"] for r in second) == 2 * 512
 
 
 def test_resume_with_a_different_heterogeneity_rebalances(resumes):

@@ -9,8 +9,8 @@ from conftest import meeting
 from torch import nn
 
 from lightning_oscars import OscarsStrategy
-from lightning_oscars.averaging import averaged_tensors
-from lightning_oscars.outer import OuterNesterovAveraging, outer_nesterov_step
+from lightning_oscars.dist.averaging import averaged_tensors
+from lightning_oscars.dist.outer import OuterNesterovAveraging, outer_nesterov_step
 
 
 def test_outer_step_is_nesterov_sgd_on_the_pseudo_gradient():

@@ -9,8 +9,8 @@ from conftest import meeting
 from torch import Tensor, nn
 
 from lightning_oscars import OscarsStrategy
-from lightning_oscars.averaging import FlatAverager, averaged_tensors
-from lightning_oscars.overlap import LateAverage, OverlappedAveraging
+from lightning_oscars.dist.averaging import FlatAverager, averaged_tensors
+from lightning_oscars.dist.overlap import LateAverage, OverlappedAveraging
 
 CPU = torch.device("cpu")
 

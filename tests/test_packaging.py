@@ -62,7 +62,7 @@ def test_wheel_holds_only_the_package(wheel):
     package = [n for n in names if not n.startswith("lightning_oscars-")]
     assert package and all(n.startswith("lightning_oscars/") for n in package), package
     assert "lightning_oscars/py.typed" in package
-    assert "lightning_oscars/strategy.py" in package
+    assert "lightning_oscars/lightning/strategy.py" in package
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_oscars.paradigms import PARADIGMS
+from lightning_oscars.lightning.paradigms import PARADIGMS
 
 SERVER = ("bsp", "asp", "ssp", "dssp", "dasp")
 REFUSED_EVERYWHERE = {

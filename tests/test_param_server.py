@@ -12,8 +12,8 @@ import pytest
 import torch
 from subproc import ROOT, clean_env, run_in_pairs
 
-from lightning_oscars.shard import Shard, shard_bounds
-from lightning_oscars.staleness import ASP, BSP, DASP, DSSP, SSP, StalenessRule
+from lightning_oscars.core.shard import Shard, shard_bounds
+from lightning_oscars.core.staleness import ASP, BSP, DASP, DSSP, SSP, StalenessRule
 
 
 def test_shards_cover_the_parameters_contiguously_and_evenly():

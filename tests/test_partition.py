@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from lightning_oscars.partition import (
+from lightning_oscars.core.partition import (
     EpochPlan,
     max_epoch_slots,
     plan_rounds,

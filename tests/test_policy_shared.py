@@ -1,4 +1,4 @@
-"""The schedule policy is one object shared by the strategy and the simulator (``lightning_oscars.policy``).
+"""The schedule policy is one object shared by the strategy and the simulator (``lightning_oscars.core.policy``).
 
 Fed the same per-round medians and all-reduce costs, the simulator's oscars policy and a ``SchedulePolicy``
 configured as ``OscarsStrategy`` configures it reach the same schedule after every round; the simulator sizes
@@ -18,14 +18,14 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from benchmarks.simulator import Cluster, FixedPolicy, OscarsPolicy, Slowdown, simulate, simulate_oscars  # noqa: E402
-from lightning_oscars.partition import max_epoch_slots, planned_slots  # noqa: E402
-from lightning_oscars.policy import SchedulePolicy  # noqa: E402
-from lightning_oscars.solver import DEFAULT_MAX_SPREAD, snap_step_times, solve_schedule  # noqa: E402
+from lightning_oscars.core.partition import max_epoch_slots, planned_slots  # noqa: E402
+from lightning_oscars.core.policy import SchedulePolicy  # noqa: E402
+from lightning_oscars.core.solver import DEFAULT_MAX_SPREAD, snap_step_times, solve_schedule  # noqa: E402
 
 
 def strategy_policy(**options) -> SchedulePolicy:
     """The ``SchedulePolicy`` that ``OscarsStrategy(**options)`` configures for a fit."""
-    from lightning_oscars.strategy import OscarsStrategy
+    from lightning_oscars.lightning.strategy import OscarsStrategy
 
     return OscarsStrategy(**options).make_policy()
 

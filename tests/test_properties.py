@@ -12,7 +12,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from lightning_oscars.partition import (
+from lightning_oscars.core.partition import (
     EpochPlan,
     max_epoch_slots,
     plan_rounds,
@@ -20,14 +20,14 @@ from lightning_oscars.partition import (
     round_quotas,
     split_proportionally,
 )
-from lightning_oscars.solver import (
+from lightning_oscars.core.solver import (
     Schedule,
     schedule_from_local_steps,
     solve_schedule,
     solve_schedule_alg1,
     validate_step_times,
 )
-from lightning_oscars.timing import StepTimeEstimator
+from lightning_oscars.core.timing import StepTimeEstimator
 
 # The estimator warns once per instance about the bad samples fed on purpose here, the solvers once per process
 # about speeds too far apart for the bounds.

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from lightning_oscars.recovery_points import RecoveryPoint, RecoveryStore, model_fingerprint, read_point
+from lightning_oscars.core.recovery_points import RecoveryPoint, RecoveryStore, model_fingerprint, read_point
 
 
 def save(store: RecoveryStore, rank: int, step: int = 7, epoch: int = 0, world: int = 3, units: int = 2) -> None:
@@ -103,12 +103,12 @@ def test_a_survivors_random_generators_are_restored_from_a_weights_only_load(tmp
 
     import numpy as np
 
-    from lightning_oscars.adapter import LightningAdapter
-    from lightning_oscars.recovery import FitRecovery
-    from lightning_oscars.recovery_points import SavedRank
+    from lightning_oscars.core.recovery_points import SavedRank
+    from lightning_oscars.lightning import _internals
+    from lightning_oscars.lightning.recovery import FitRecovery
 
     saved = io.BytesIO()
-    torch.save({"recovery": {"rng": LightningAdapter.rng_states()}}, saved)
+    torch.save({"recovery": {"rng": _internals.rng_states()}}, saved)
     expected = (torch.rand(3).tolist(), np.random.rand(), random.random())
     point = RecoveryPoint(str(tmp_path), 7, 0, 2, (SavedRank(0, 0, 1, "rank-0.ckpt"),))
     for rank, restored in ((0, True), (1, False)):  # rank 1 resumes from a copy of rank 0's state: not its own

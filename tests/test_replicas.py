@@ -17,13 +17,13 @@ from test_rounds import FakeClock
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_oscars import OscarsStrategy
-from lightning_oscars.control import ControlData
-from lightning_oscars.loader import LoadBalancedLoader
-from lightning_oscars.partition import EpochPlan, planned_slots
-from lightning_oscars.policy import SchedulePolicy
-from lightning_oscars.replicas import ReplicaLayout, replica_batches
-from lightning_oscars.rounds import RoundController
-from lightning_oscars.slots import SlotInfo
+from lightning_oscars.core.control import ControlData
+from lightning_oscars.core.loader import LoadBalancedLoader
+from lightning_oscars.core.partition import EpochPlan, planned_slots
+from lightning_oscars.core.policy import SchedulePolicy
+from lightning_oscars.core.replicas import ReplicaLayout, replica_batches
+from lightning_oscars.core.rounds import RoundController
+from lightning_oscars.core.slots import SlotInfo
 
 # ------------------------------------------------------------------ the layout
 

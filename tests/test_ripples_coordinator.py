@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from lightning_oscars.groups import GroupBoard
-from lightning_oscars.ripples import GroupClient, GroupCoordinator
+from lightning_oscars.core.groups import GroupBoard
+from lightning_oscars.dist.ripples import GroupClient, GroupCoordinator
 
 
 def _store() -> TCPStore:

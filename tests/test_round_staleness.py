@@ -22,8 +22,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_oscars.shard import Shard
-from lightning_oscars.staleness import BSP, DASP, DSSP, SSP, StalenessRule
+from lightning_oscars.core.shard import Shard
+from lightning_oscars.core.staleness import BSP, DASP, DSSP, SSP, StalenessRule
 
 FAST, SLOW = 0, 1
 STEP_S = {FAST: 1.0, SLOW: 5.0}  # 1x / 5x

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_oscars import RoundController, RoundRecord, SchedulePolicy
-from lightning_oscars.control import Contribution, ControlData, RankReport, fraction_of_ideal
-from lightning_oscars.loader import SlotInfo
+from lightning_oscars.core.control import Contribution, ControlData, RankReport, fraction_of_ideal
+from lightning_oscars.core.loader import SlotInfo
 
 
 class FakeClock:

@@ -11,8 +11,8 @@ from conftest import meeting
 from test_averaging import gloo  # noqa: F401 - the one-rank gloo group fixture
 from torch import Tensor, nn
 
-from lightning_oscars.server_scheme import ParameterServerScheme
-from lightning_oscars.staleness import BSP
+from lightning_oscars.core.staleness import BSP
+from lightning_oscars.dist.server_scheme import ParameterServerScheme
 
 
 class RecordingServer:

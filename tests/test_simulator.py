@@ -40,7 +40,7 @@ from benchmarks.simulator import (  # noqa: E402
     validate_against,
     validation_inputs,
 )
-from lightning_oscars.solver import snap_step_times, solve_schedule  # noqa: E402
+from lightning_oscars.core.solver import snap_step_times, solve_schedule  # noqa: E402
 
 
 def test_ring_allreduce_cost_formula():
@@ -170,7 +170,7 @@ def test_the_simulated_ranks_report_what_the_round_controller_measures():
 
     from benchmarks.simulator.engine import rank_reports
     from lightning_oscars import RoundController, SchedulePolicy
-    from lightning_oscars.slots import SlotInfo
+    from lightning_oscars.core.slots import SlotInfo
 
     rng = np.random.default_rng(3)
     draws = rng.lognormal(np.log(0.02), 0.3, size=(3, 9))

@@ -36,8 +36,8 @@ from benchmarks.simulator.scale_paradigms import (  # noqa: E402
     scale_study,
 )
 from benchmarks.simulator.server import simulate_paradigm  # noqa: E402
-from lightning_oscars.groups import GroupBoard  # noqa: E402
-from lightning_oscars.staleness import ASP, DASP, DSSP, SSP  # noqa: E402
+from lightning_oscars.core.groups import GroupBoard  # noqa: E402
+from lightning_oscars.core.staleness import ASP, DASP, DSSP, SSP  # noqa: E402
 
 
 @pytest.mark.parametrize("generator", ["static", "random", "smart"])

@@ -5,8 +5,8 @@ import warnings
 
 import pytest
 
-from lightning_oscars import solver as solver_module
-from lightning_oscars.solver import (
+from lightning_oscars.core import solver as solver_module
+from lightning_oscars.core.solver import (
     DEFAULT_MAX_SPREAD,
     Schedule,
     rebalance,
@@ -165,7 +165,7 @@ def test_brute_force_helper_is_not_vacuous():
 
 
 def test_snap_gives_equally_fast_ranks_one_time_and_keeps_distinct_speeds_apart():
-    from lightning_oscars.solver import snap_step_times
+    from lightning_oscars.core.solver import snap_step_times
 
     times = [0.100, 0.103, 0.30, 0.101, 0.31, 0.5]
     assert snap_step_times(times, 0.05) == (0.103, 0.103, 0.31, 0.103, 0.31, 0.5)
@@ -178,7 +178,7 @@ def test_snap_gives_equally_fast_ranks_one_time_and_keeps_distinct_speeds_apart(
 
 
 def test_snapping_stops_noise_from_splitting_identical_ranks():
-    from lightning_oscars.solver import snap_step_times
+    from lightning_oscars.core.solver import snap_step_times
 
     noisy = [0.0982, 0.1008, 0.1019, 0.1004, 0.2489, 0.2467]  # two speed classes measured with noise
     # A spread bound that binds (8): the round's length then sits at a boundary the noise moves rank by rank.
@@ -190,7 +190,7 @@ def test_snapping_stops_noise_from_splitting_identical_ranks():
 
 
 def test_a_difference_within_the_measurements_noise_is_not_a_speed_difference():
-    from lightning_oscars.solver import snap_step_times
+    from lightning_oscars.core.solver import snap_step_times
 
     # Two identical ranks with 2 ms steps, each measured over a few jittery steps: 8% apart, beyond the 5% tolerance.
     times = [0.0020, 0.00216]

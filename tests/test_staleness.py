@@ -1,4 +1,4 @@
-"""The parameter-server paradigms' staleness rules (``lightning_oscars.staleness``), run by the discrete-event
+"""The parameter-server paradigms' staleness rules (``lightning_oscars.core.staleness``), run by the discrete-event
 parameter server of ``benchmarks.simulator.server``: bounds never exceeded, ASP never waits, DSSP's threshold
 follows the speeds, DASP moves a worker that turns slow out of the synchronous group and back."""
 
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from benchmarks.simulator.server import simulate_paradigm
-from lightning_oscars.staleness import ASP, BSP, DASP, DSSP, SSP, WorkerTimes
+from lightning_oscars.core.staleness import ASP, BSP, DASP, DSSP, SSP, WorkerTimes
 
 MIXED = (0.03, 0.03, 0.06, 0.15)  # 1x, 1x, 2x, 5x
 

@@ -14,8 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 
 from lightning_oscars import plot_timeline  # noqa: E402
-from lightning_oscars.control import RoundRecord  # noqa: E402
-from lightning_oscars.timeline import _COLORS, load_history, main, round_spans  # noqa: E402
+from lightning_oscars.core.control import RoundRecord  # noqa: E402
+from lightning_oscars.core.timeline import _COLORS, load_history, main, round_spans  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 

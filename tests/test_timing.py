@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from lightning_oscars.timing import StepTimeEstimator, WallClock
+from lightning_oscars.core.timing import StepTimeEstimator, WallClock
 
 
 def test_median_resists_outliers_and_ema_follows_drift():
@@ -31,7 +31,7 @@ def test_bad_samples_are_rejected_with_one_warning():
 
 def test_wall_clock_laps(monkeypatch):
     readings = iter([10.0, 11.0, 11.5, 12.25])  # construction, mark, two laps
-    monkeypatch.setattr("lightning_oscars.timing.time.perf_counter", lambda: next(readings))
+    monkeypatch.setattr("lightning_oscars.core.timing.time.perf_counter", lambda: next(readings))
     clock = WallClock()
     clock.mark()
     clock.lap()

@@ -1,4 +1,4 @@
-"""The time-boxed warm-up (``lightning_oscars.warmup``): the gate on its own, then two ranks of different speeds
+"""The time-boxed warm-up (``lightning_oscars.core.warmup``): the gate on its own, then two ranks of different speeds
 in simulated time through the real round controller, plan and loader, events in time order across ranks."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from simulated import SimClock, Time, wired_loader
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oscars import RoundController, SchedulePolicy
-from lightning_oscars.control import ControlData
-from lightning_oscars.partition import EpochPlan, deadline_round_fits, fitting_reservation
-from lightning_oscars.warmup import WarmupGate, warmup_reservation
+from lightning_oscars.core.control import ControlData
+from lightning_oscars.core.partition import EpochPlan, deadline_round_fits, fitting_reservation
+from lightning_oscars.core.warmup import WarmupGate, warmup_reservation
 
 
 class Counter:

@@ -1,0 +1,114 @@
+"""The order in which an epoch visits the training samples: what the user's sampler asks for.
+
+:class:`EpochOrder` reads the user's (possibly Lightning-wrapped) sampler once, at setup, and draws each epoch's
+order of sample indices, which the loader then partitions between ranks by speed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+__all__ = ["EpochOrder", "training_set_size"]
+
+
+class EpochOrder:
+    """The order in which an epoch visits the training samples, as the user's sampler defines it.
+
+    * ``"sequential"``: ``0 .. n-1`` (a ``SequentialSampler``, or an unshuffled ``DistributedSampler``);
+    * ``"permutation"``: a permutation seeded by ``seed + epoch``, identical on every rank (a ``RandomSampler``,
+      or the shuffling ``DistributedSampler`` Lightning injects);
+    * ``"sampler"``: whatever the user's own sampler yields this epoch (weighted, curriculum, with replacement,
+      ...), possibly not ``n`` indices. Only one rank may draw it (a sampler's random state differs between
+      ranks): :attr:`shared` tells the strategy to draw on rank 0 and broadcast.
+    """
+
+    def __init__(self, kind: str, num_samples: int, seed: int = 0, sampler: Sampler | None = None) -> None:
+        if kind not in ("sequential", "permutation", "sampler"):
+            raise ValueError(f"unknown epoch order {kind!r}")
+        if kind == "sampler" and sampler is None:
+            raise ValueError("a sampler order needs the sampler")
+        self.kind = kind
+        self.num_samples = num_samples
+        self.seed = seed
+        self.sampler = sampler
+
+    @property
+    def shared(self) -> bool:
+        """Whether ranks must share one rank's draw (they cannot reproduce it independently)."""
+        return self.kind == "sampler"
+
+    def draw(self, epoch: int) -> list[int]:
+        if self.kind == "sequential":
+            return list(range(self.num_samples))
+        if self.kind == "permutation":
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            return torch.randperm(self.num_samples, generator=generator).tolist()
+        assert self.sampler is not None
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        order = [int(i) for i in self.sampler]
+        if len(order) != self.num_samples:
+            raise ValueError(
+                f"The training sampler yielded {len(order)} indices this epoch but its length is {self.num_samples};"
+                " oscars sizes every epoch from len(sampler), which must match what it yields."
+            )
+        return order
+
+    @classmethod
+    def of(cls, sampler: object, dataset_size: int, seed: int | None) -> EpochOrder:
+        """The order the user's ``sampler`` asks for (unwrapped from Lightning's wrapper by the caller: see
+        ``lightning._internals.unwrap_sampler``). ``seed`` (the strategy's, or ``None`` to follow the sampler's or
+        ``seed_everything``'s) seeds a shuffled order."""
+        if type(sampler) is DistributedSampler:  # injected by Lightning (or plain): its shuffle flag and seed
+            kind = "permutation" if sampler.shuffle else "sequential"
+            return cls(kind, dataset_size, sampler.seed if seed is None else seed)
+        if isinstance(sampler, DistributedSampler):
+            raise ValueError(
+                f"The training DataLoader uses {type(sampler).__name__}, a DistributedSampler subclass that yields"
+                " only this rank's share; oscars splits one epoch between ranks by speed itself. Pass the"
+                " underlying (non-distributed) sampler and let oscars partition it, or use strategy='ddp'."
+            )
+        if seed is None:
+            seed = _global_seed()
+        if isinstance(sampler, SequentialSampler):
+            return cls("sequential", dataset_size, seed)
+        if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == dataset_size:
+            return cls("permutation", dataset_size, seed)
+        if not isinstance(sampler, Sampler) and not hasattr(sampler, "__iter__"):
+            raise ValueError(f"strategy='oscars' cannot read the training sampler {sampler!r}")
+        try:
+            length = len(sampler)  # type: ignore[arg-type]
+        except TypeError:
+            raise ValueError(
+                f"The training sampler {type(sampler).__name__} has no length; oscars needs len(sampler) to plan"
+                " the epoch. Give it a __len__, or use strategy='ddp'."
+            ) from None
+        return cls("sampler", length, seed, sampler)  # type: ignore[arg-type]
+
+
+def training_set_size(dataloader: DataLoader) -> int:
+    """The number of samples of a training loader's map-style dataset; a clear error for what oscars cannot split."""
+    dataset = dataloader.dataset
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            "strategy='oscars' partitions the training data by index and cannot split an IterableDataset;"
+            " use a map-style Dataset (with __len__ and __getitem__), or strategy='ddp'."
+        )
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError("strategy='oscars' needs a training dataset with a length (__len__)") from None
+
+
+def _global_seed() -> int:
+    """The seed of ``seed_everything`` (Lightning exports it as ``PL_GLOBAL_SEED``), else 0."""
+    value = os.environ.get("PL_GLOBAL_SEED")
+    try:
+        return int(value) if value is not None else 0
+    except ValueError:
+        return 0

@@ -1,0 +1,252 @@
+"""The options of ``OscarsStrategy``, validated, and the schedule policy they configure."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_oscars.core.policy import SchedulePolicy, Solver
+from lightning_oscars.core.replicas import ReplicaLayout
+from lightning_oscars.core.rounds import RoundController
+from lightning_oscars.core.timing import LapClock
+from lightning_oscars.core.warmup import WarmupGate
+from lightning_oscars.dist.outer import OuterNesterovAveraging
+from lightning_oscars.dist.overlap import OverlappedAveraging
+from lightning_oscars.dist.schemes import ModelAveraging, SyncScheme
+
+__all__ = ["DDP_WRAPPER_OPTIONS", "OPTION_NAMES", "OscarsOptions", "check_ddp_wrapper_options"]
+
+# The strategy's own options: declared once, with their defaults and documentation, in ``OscarsStrategy.__init__``'s
+# signature (which LightningCLI reads); validated once, in ``OscarsOptions._set_options``.
+OPTION_NAMES = (
+    "solver",
+    "averaging",
+    "average_optimizer_state",
+    "max_spread",
+    "max_local_steps",
+    "efficiency_tolerance",
+    "warmup_steps",
+    "timed_warmup",
+    "rebalance_threshold",
+    "min_gain",
+    "smoothing",
+    "deadline_rounds",
+    "step_times",
+    "local_steps",
+    "seed",
+    "monitor",
+    "outer_lr",
+    "outer_momentum",
+    "overlap_averaging",
+    "replica_size",
+    "replica_spans_nodes",
+    "recovery",
+    "recovery_dir",
+)
+# Options the schedule policy validates and keeps: option name -> the policy's argument.
+_POLICY_ARGS = {
+    "max_spread": "max_spread",
+    "max_local_steps": "max_local_steps",
+    "efficiency_tolerance": "tolerance",
+    "warmup_steps": "warmup_steps",
+    "rebalance_threshold": "rebalance_threshold",
+    "min_gain": "min_gain",
+    "smoothing": "smoothing",
+    "step_times": "step_times",
+    "local_steps": "local_steps",
+}
+
+
+def _path_or_none(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{name} must be a path or None, got {value!r}")
+    return None if value is None else os.fspath(value)
+
+
+class OscarsOptions:
+    """The strategy's own constructor options as attributes (what LightningCLI prints and a config sets)."""
+
+    solver: Solver
+    averaging: str
+    average_optimizer_state: bool
+    max_spread: int
+    max_local_steps: int
+    efficiency_tolerance: float
+    warmup_steps: int
+    timed_warmup: bool
+    rebalance_threshold: float
+    min_gain: float
+    smoothing: float
+    deadline_rounds: bool
+    pinned_step_times: tuple[float, ...] | None
+    pinned_local_steps: tuple[int, ...] | None
+    seed: int | None
+    monitor: bool
+    outer_lr: float | None
+    outer_momentum: float
+    overlap_averaging: bool
+    replica_size: int | str
+    replica_spans_nodes: bool
+    recovery: bool
+    recovery_dir: str | None
+
+    def _set_options(self, options: Mapping[str, Any]) -> None:
+        """Validate and keep the strategy's own options (``options``: every name of :data:`OPTION_NAMES`, as the
+        constructor's signature declares them). Each is checked once: the schedule's by ``SchedulePolicy`` (which
+        raises naming the option), the rest here."""
+        missing = sorted(set(OPTION_NAMES) - set(options))
+        if missing:
+            raise TypeError(f"missing options: {missing}")
+        o = dict(options)
+        if o["averaging"] not in ("uniform", "samples"):
+            raise ValueError(f"averaging must be 'uniform' or 'samples', got {o['averaging']!r}")
+        seed = o["seed"]
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        for name in ("deadline_rounds", "timed_warmup", "overlap_averaging", "replica_spans_nodes", "recovery"):
+            if not isinstance(o[name], bool):
+                raise ValueError(f"{name} must be True or False, got {o[name]!r}")
+        if o["overlap_averaging"] and o["outer_lr"] is not None:
+            raise ValueError(
+                "overlap_averaging cannot be combined with outer_lr: the outer step needs the round's mean at the"
+                " round's end, which overlapping delivers one round late"
+            )
+        replica_size = o["replica_size"]
+        if replica_size != "node" and (
+            isinstance(replica_size, bool) or not isinstance(replica_size, int) or replica_size < 1
+        ):
+            raise ValueError(f"replica_size must be a positive integer or 'node', got {replica_size!r}")
+        if replica_size != 1 and o["deadline_rounds"]:
+            raise ValueError(
+                f"replica_size={replica_size!r} cannot be combined with deadline_rounds: a deadline round decides each"
+                " rank's steps by its own clock, and the ranks of a replica must step together"
+            )
+        OuterNesterovAveraging(1.0 if o["outer_lr"] is None else o["outer_lr"], o["outer_momentum"])  # raises: bad
+        policy = SchedulePolicy(
+            o["solver"], **{arg: o[name] for name, arg in _POLICY_ARGS.items()}
+        )  # raises naming a bad schedule option
+        self.solver = o["solver"]
+        self.averaging = o["averaging"]
+        self.average_optimizer_state = bool(o["average_optimizer_state"])
+        self.max_spread, self.max_local_steps, self.warmup_steps = (
+            policy.max_spread,
+            policy.max_local_steps,
+            policy.warmup_steps,
+        )
+        self.efficiency_tolerance = policy.tolerance
+        self.rebalance_threshold, self.min_gain, self.smoothing = (
+            policy.rebalance_threshold,
+            policy.min_gain,
+            policy.smoothing,
+        )
+        self.deadline_rounds, self.timed_warmup = o["deadline_rounds"], o["timed_warmup"]
+        self.pinned_step_times, self.pinned_local_steps = policy.pinned_step_times, policy.pinned_local_steps
+        self.seed = seed
+        self.monitor = bool(o["monitor"])
+        self.outer_lr = None if o["outer_lr"] is None else float(o["outer_lr"])
+        self.outer_momentum = float(o["outer_momentum"])
+        self.overlap_averaging = o["overlap_averaging"]
+        self.replica_size = replica_size
+        self.replica_spans_nodes = o["replica_spans_nodes"]
+        self.recovery, self.recovery_dir = o["recovery"], _path_or_none("recovery_dir", o["recovery_dir"])
+
+    def make_scheme(self) -> SyncScheme:
+        """The synchronisation scheme of a fit (override to plug in another; see ``schemes.py``): model averaging,
+        followed by an outer Nesterov step when ``outer_lr`` is set, or overlapped with the next round when
+        ``overlap_averaging`` is."""
+        if self.overlap_averaging:
+            return OverlappedAveraging()
+        if self.outer_lr is None:
+            return ModelAveraging()
+        return OuterNesterovAveraging(self.outer_lr, self.outer_momentum)
+
+    def make_rounds(
+        self,
+        policy: SchedulePolicy,
+        world_size: int,
+        rank: int,
+        clock: LapClock | None = None,
+        counter: Callable[[int], int] | None = None,
+        layout: ReplicaLayout | None = None,
+    ) -> RoundController:
+        """The round controller of one fit under ``policy``: sample weighting, deadline rounds and the time-boxed
+        warm-up as configured (the warm-up needs ``counter``, shared by the ranks; see ``warmup.py``). With replica
+        groups (``layout``) the controller's ranks are the replicas, and the warm-up is not time-boxed: a replica's
+        ranks must take the same steps, which each rank's own view of the shared count cannot promise."""
+        layout = layout or ReplicaLayout(world_size)
+        gate = None
+        if self.timed_warmup and counter is not None and world_size > 1 and layout.replica_size == 1:
+            gate = WarmupGate(world_size, counter)
+        return RoundController(
+            policy,
+            **layout.place(rank),
+            weighted=self.averaging == "samples",
+            deadline=self.deadline_rounds,
+            warmup_gate=gate,
+            clock=clock,
+        )
+
+    def make_policy(self) -> SchedulePolicy:
+        """A fresh schedule policy for one fit."""
+        return SchedulePolicy(
+            self.solver,
+            max_spread=self.max_spread,
+            max_local_steps=self.max_local_steps,
+            tolerance=self.efficiency_tolerance,
+            warmup_steps=self.warmup_steps,
+            rebalance_threshold=self.rebalance_threshold,
+            min_gain=self.min_gain,
+            smoothing=self.smoothing,
+            step_times=self.pinned_step_times,
+            local_steps=self.pinned_local_steps,
+        )
+
+
+# What DDPStrategy would pass on to the wrapper: such an option is dropped with a warning, any other is an error.
+DDP_WRAPPER_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+# Options of other strategies of the package that a user may pass to the wrong one: named in the error.
+_OPTIONS_ELSEWHERE = {
+    "server_momentum": "the parameter-server strategies (bsp, asp, ssp, dssp, dasp)",
+    "staleness": "strategy='ssp'",
+    "s_low": "strategy='dssp'",
+    "s_range": "strategy='dssp'",
+    "group_size": "strategy='ripples'",
+    "generator": "strategy='ripples'",
+}
+
+
+def check_ddp_wrapper_options(
+    options: dict[str, Any], warn: Callable[[str], Any], wrapper_options: Collection[str], applied: bool = False
+) -> None:
+    """DDP gradient hooks would silently do nothing without the DDP wrapper: an error. A name that is none of
+    ``wrapper_options`` (``DistributedDataParallel``'s) either, a typo or another strategy's option: an error. The
+    wrapper's other options (``find_unused_parameters``, ``static_graph``, ...) are harmless to drop: a warning.
+    ``applied``: replica groups wrap each replica in DDP, which takes these options; those the strategy sets itself
+    (the replica's process group, the devices) are an error."""
+    hooks = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+    for name in hooks:
+        if options.get(name) is not None:
+            raise ValueError(
+                f"{name} is a DDP gradient-hook option; oscars "
+                + ("does not take DDP hooks inside a replica" if applied else "does not wrap the model in DDP")
+            )
+    if applied:
+        for name in ("process_group", "device_ids", "output_device", "device_mesh"):
+            if name in options:
+                raise ValueError(
+                    f"{name} is set by the strategy for each replica (its process group and device); leave it out"
+                )
+    for name in options:
+        if name not in wrapper_options and name not in hooks:
+            where = _OPTIONS_ELSEWHERE.get(name)
+            raise TypeError(
+                f"unexpected option {name}={options[name]!r}"
+                + (f": it is an option of {where}" if where else ": neither this strategy's nor DDP's")
+            )
+    ignored = sorted(name for name in options if name not in hooks)
+    if ignored and not applied:
+        warn("oscars does not wrap the model in DistributedDataParallel; ignoring " + ", ".join(ignored))
