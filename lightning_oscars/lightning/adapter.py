@@ -15,6 +15,7 @@ Every private attribute these touch is named in ``_internals``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -48,8 +49,6 @@ class LightningAdapter:
         return bool(self._patches)
 
     def install(self, trainer: Trainer, on_sigterm: Callable[[], None], on_requeue: Callable[[], None]) -> None:
-        import threading
-
         self.remove()
         self.epoch.install(trainer, self._patches)
         self.tuner.install(trainer, self._patches)
