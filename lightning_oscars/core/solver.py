@@ -57,8 +57,8 @@ __all__ = [
 
 # The default spread bound M. At 16 it never binds below the default cap of 16 local steps, so rounds between
 # ranks up to 16x apart are as long as the cap allows: at 8, a 1x/3x pair was held to rounds of [10, 3], too short
-# to amortise the all-reduce where steps are short (benchmarks/results/cpu_spread.md: +9.5% throughput at 1x/3x,
-# +8.7% at 1x/5x in the CPU-bound regime, accuracy within 0.2 points). Users who lower max_local_steps keep it.
+# to amortise the all-reduce where steps are short (+9.5% throughput at 1x/3x, +8.7% at 1x/5x in the CPU-bound
+# regime, accuracy within 0.2 points: docs/benchmarks.md's decisions table). Users who lower max_local_steps keep it.
 DEFAULT_MAX_SPREAD = 16
 
 # Relative slack when flooring T / t_i, so that T = k * t_i computed in floating point still counts k steps.

@@ -273,8 +273,8 @@ class RipplesStrategy(StepSyncStrategy):
             faster to the same accuracy in every measured profile. ``False``: the seed's synchronous partial
             all-reduce.
         timed_warmup: as :class:`StepSyncStrategy`'s, but on by default here: with one rank 2x or 5x slower or
-            speeds that change, the fast ranks' training during the warm-up round paid 3-8% throughput (4 ranks,
-            ``benchmarks/results/ripples_timed_warmup.md``); on equal ranks it cost 3%.
+            speeds that change, the fast ranks' training during the warm-up round paid 3-8% throughput (4 ranks; the
+            run is not kept: docs/benchmarks.md's decisions table); on equal ranks it cost 3%.
         Other options as :class:`StepSyncStrategy`'s.
     """
 
