@@ -54,7 +54,7 @@ def _pythonpath() -> str:
 def check_event_clock(device: str) -> dict:
     import torch
 
-    from lightning_oscars.timing import make_clock
+    from lightning_oscars.core.timing import make_clock
 
     if not device.startswith("cuda"):
         return {"verdict": "SKIP", "why": "needs CUDA"}
@@ -91,8 +91,8 @@ def _averaging_worker(rank: int, device: str, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_oscars.averaging import FlatAverager
-    from lightning_oscars.overlap import LateAverage
+    from lightning_oscars.dist.averaging import FlatAverager
+    from lightning_oscars.dist.overlap import LateAverage
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     dev = torch.device(device)

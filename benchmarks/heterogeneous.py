@@ -15,7 +15,7 @@ Definitions (the same for every strategy; see benchmarks/README.md):
 * step time of a rank ``t_i``: seconds per real optimizer step when it does not wait for anybody, as oscars
   measures it (median over the oscars runs of the profile); an emulated ``k``x rank adds ``(k-1)`` times its
   calibrated device time per step. busy_i = real steps_i x t_i.
-* of ideal: ``lightning_oscars.control.fraction_of_ideal`` = samples/s over ``sum_i batch / t_i``; the strategy's
+* of ideal: ``lightning_oscars.core.control.fraction_of_ideal`` = samples/s over ``sum_i batch / t_i``; the strategy's
   end-of-fit summary prints the same figure (recorded as ``monitor_fraction_of_ideal``).
 * local_sgd-matched: fixed-period local SGD with the number of averagings per epoch of the oscars run just
   before it (``max_local_steps`` = oscars' mean final tau); it must follow an oscars config in ``--configs``.
@@ -28,16 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
+# The runs' figures live in a module of their own; re-exported here, where callers import them from.
+from benchmarks.heterogeneous_summary import base_step_time, cluster_figures, summarize, time_to  # noqa: F401
 from benchmarks.ports import free_port
 from benchmarks.tables import markdown_table
-from lightning_oscars.control import fraction_of_ideal
 
 
 def _ripples(**options: str) -> list[str]:
@@ -70,7 +70,7 @@ CONFIGS = {
     "oscars-tolerance-1pct": ["--strategy", "oscars", "--option", "efficiency_tolerance=0.01"],
     "oscars-tolerance-half-pct-32": ["--strategy", "oscars", "--option", "efficiency_tolerance=0.005"]
     + ["--option", "max_local_steps=32"],
-    # the parameter-server paradigms (lightning_oscars.paradigms), at their defaults unless named
+    # the parameter-server paradigms (lightning_oscars.lightning.paradigms), at their defaults unless named
     "bsp": ["--strategy", "bsp"],
     "asp": ["--strategy", "asp"],
     "ssp-3": ["--strategy", "ssp", "--option", "staleness=3"],
@@ -202,83 +202,6 @@ def run(args: list[str], epochs: int, slowdown: str, show: bool = False, nodes: 
         raise RuntimeError(f"{' '.join(cmd)} failed twice")
 
 
-def base_step_time(runs: list[dict]) -> float | None:
-    """The unslowed step time of a rank, measured by oscars: the fastest rank's per-step time, median over each
-    run's rounds (the profiling round left out), then over the runs."""
-    times = []
-    for r in runs:
-        fastest = [min(h["step_times"]) for h in (r.get("history") or [])[1:] if min(h["step_times"]) > 0]
-        if fastest:
-            times.append(statistics.median(fastest))
-    return statistics.median(times) if times else None
-
-
-def cluster_figures(run_: dict, base_s: float, batch_size: int = 64) -> dict:
-    """Fraction of ideal and idle time of one run, from the ranks' own step accounting."""
-    wall = run_["train_wall_s"]
-    busy, times = [], []
-    for rank in run_["cluster"]:
-        steps = rank["real_steps"]
-        # busy = real steps at the measured base time + the emulated extra (k-1) * calibrated device time per step
-        busy.append(steps * base_s + (rank["busy_s"] - steps * rank["solo_step_s"]))
-        # at the starting factor: the volatile profile swaps two speeds, which leaves sum_i 1/t_i unchanged
-        times.append(base_s + (rank["start_factor"] - 1.0) * rank["solo_step_s"])
-    history = run_.get("history") or []
-    return {
-        "idle_s": [max(0.0, wall - b) for b in busy],
-        "ideal_samples_per_s": sum(batch_size / t for t in times),
-        "fraction_of_ideal": fraction_of_ideal(busy, times, wall),
-        "changes_per_100_rounds": 100.0 * run_.get("schedule_changes", 0) / len(history) if history else None,
-    }
-
-
-def time_to(curve: list, target: float) -> float | None:
-    return next((t for t, _, acc in curve if acc >= target), None)
-
-
-def summarize(runs: dict[str, list[dict]]) -> dict:
-    base_s = base_step_time([r for name, rs in runs.items() if name.startswith("oscars") for r in rs])
-    ddp = runs.get("ddp")
-    target = statistics.median(r["val_acc"] for r in ddp) - 0.01 if ddp else None
-    summary: dict = {"base_step_s": base_s, "target_acc": target, "configs": {}}
-    for name, rs in runs.items():
-        for r in rs:
-            if base_s is not None:
-                r.update(cluster_figures(r, base_s))
-            r["time_to_target_s"] = time_to(r["curve"], target) if target is not None else None
-        reached = [r["time_to_target_s"] for r in rs if r["time_to_target_s"] is not None]
-        s = {
-            "median_train_wall_s": statistics.median(r["train_wall_s"] for r in rs),
-            "median_samples_per_s": statistics.median(r["samples_per_s"] for r in rs),
-            "median_val_acc": statistics.median(r["val_acc"] for r in rs),
-            "median_time_to_target_s": statistics.median(reached) if len(reached) == len(rs) else None,
-            "walls": [round(r["train_wall_s"], 2) for r in rs],
-            "schedule": rs[-1]["schedule"],
-            "runs": rs,
-        }
-        allreduce = [r["allreduce_s"] for r in rs if r.get("allreduce_s")]
-        s["median_allreduce_ms"] = 1e3 * statistics.median(allreduce) if allreduce else None
-        changes = [r["changes_per_100_rounds"] for r in rs if r.get("changes_per_100_rounds") is not None]
-        s["median_changes_per_100_rounds"] = statistics.median(changes) if changes else None
-        s["median_rounds"] = statistics.median(r["rounds"] for r in rs)
-        if base_s is not None:
-            s["median_fraction_of_ideal"] = statistics.median(r["fraction_of_ideal"] for r in rs)
-            s["median_idle_s"] = [statistics.median(r["idle_s"][i] for r in rs) for i in range(len(rs[0]["idle_s"]))]
-        summary["configs"][name] = s
-    base = summary["configs"].get("ddp")
-    matched = summary["configs"].get("local_sgd-matched")
-    for s in summary["configs"].values():
-        s["throughput_vs_local_sgd_matched"] = (
-            s["median_samples_per_s"] / matched["median_samples_per_s"] if matched else None
-        )
-        s["throughput_vs_ddp"] = s["median_samples_per_s"] / base["median_samples_per_s"] if base else None
-        t_ddp = base.get("median_time_to_target_s") if base else None
-        t = s["median_time_to_target_s"]
-        s["time_to_target_speedup"] = t_ddp / t if t_ddp and t else None
-        s["acc_delta_pts"] = 100 * (s["median_val_acc"] - base["median_val_acc"]) if base else None
-    return summary
-
-
 def _f(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -342,7 +265,7 @@ def plot(results: dict[str, dict], path: Path, accuracy: bool = False) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--regime", choices=sorted(REGIMES), default="cpu")
     p.add_argument("--repeats", type=int, default=3)
@@ -356,50 +279,59 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="heterogeneous")
     p.add_argument("--torchrun-nodes", type=int, default=1, help="start every run as this many torchrun agents")
-    a = p.parse_args()
+    return p
+
+
+def _profile_runs(a: argparse.Namespace, profile: str, names: list[str], epochs: int) -> dict[str, list[dict]]:
+    """Every configuration of ``names`` on one profile, ``a.repeats`` times."""
     regime = REGIMES[a.regime]
-    epochs = a.epochs or regime["epochs"]
-    names = a.configs.split(",")
     extra = [x for pair in a.option for x in ("--option", pair)]
-    results: dict[str, dict] = {}
-    for profile in a.profiles.split(","):
-        runs: dict[str, list[dict]] = {n: [] for n in names}
-        for i in range(a.repeats):
-            last_oscars = None
-            for name in names:  # interleaved, so drifts of the machine hit every configuration alike
-                args = CONFIGS[name] + regime["args"] + (["--jitter", str(a.jitter)] if a.jitter else [])
-                if name == "local_sgd-matched":
-                    if last_oscars is None:
-                        raise SystemExit("local_sgd-matched must follow an oscars config in --configs")
-                    args = args + matched_args(last_oscars)
-                elif name.startswith("oscars"):
-                    args = args + extra
-                r = run(args, epochs, PROFILES[profile], nodes=a.torchrun_nodes)
-                if name.startswith("oscars"):
-                    last_oscars = r
-                runs[name].append(r)
-                print(
-                    f"{profile:12s} [{i + 1}/{a.repeats}] {name:22s} train {r['train_wall_s']:5.1f}s "
-                    f"{r['samples_per_s']:6.0f} samples/s  val_acc {r['val_acc']:.4f}  tau {r['schedule']}",
-                    flush=True,
-                )
-        results[profile] = summarize(runs)
-        # Written after every profile: a long benchmark that breaks later keeps what it measured.
-        meta = {
-            "regime": a.regime,
-            "regime_args": regime["args"],
-            "oscars_options": a.option,
-            "jitter": a.jitter,
-            "repeats": a.repeats,
-            "epochs": epochs,
-            "ranks": {k: ranks_of(PROFILES[k]) for k in results},
-            "profiles": {k: PROFILES[k] for k in results},
-            "launcher": f"torchrun, {a.torchrun_nodes} agents on loopback" if a.torchrun_nodes > 1 else "Lightning",
-        }
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "profiles": results}, indent=1))
-    setup = " ".join(regime["args"]) or "16,384 samples, real compute only"
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for i in range(a.repeats):
+        last_oscars = None
+        for name in names:  # interleaved, so drifts of the machine hit every configuration alike
+            args = CONFIGS[name] + regime["args"] + (["--jitter", str(a.jitter)] if a.jitter else [])
+            if name == "local_sgd-matched":
+                if last_oscars is None:
+                    raise SystemExit("local_sgd-matched must follow an oscars config in --configs")
+                args = args + matched_args(last_oscars)
+            elif name.startswith("oscars"):
+                args = args + extra
+            r = run(args, epochs, PROFILES[profile], nodes=a.torchrun_nodes)
+            if name.startswith("oscars"):
+                last_oscars = r
+            runs[name].append(r)
+            print(
+                f"{profile:12s} [{i + 1}/{a.repeats}] {name:22s} train {r['train_wall_s']:5.1f}s "
+                f"{r['samples_per_s']:6.0f} samples/s  val_acc {r['val_acc']:.4f}  tau {r['schedule']}",
+                flush=True,
+            )
+    return runs
+
+
+def _write_json(a: argparse.Namespace, results: dict[str, dict], epochs: int) -> Path:
+    """``<out>/<name>.json``: the settings and every profile summarised so far; returns ``<out>``."""
+    regime = REGIMES[a.regime]
+    meta = {
+        "regime": a.regime,
+        "regime_args": regime["args"],
+        "oscars_options": a.option,
+        "jitter": a.jitter,
+        "repeats": a.repeats,
+        "epochs": epochs,
+        "ranks": {k: ranks_of(PROFILES[k]) for k in results},
+        "profiles": {k: PROFILES[k] for k in results},
+        "launcher": f"torchrun, {a.torchrun_nodes} agents on loopback" if a.torchrun_nodes > 1 else "Lightning",
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "profiles": results}, indent=1))
+    return out
+
+
+def _markdown(a: argparse.Namespace, results: dict[str, dict], epochs: int) -> list[str]:
+    """The markdown: the settings, then a table per profile."""
+    setup = " ".join(REGIMES[a.regime]["args"]) or "16,384 samples, real compute only"
     lines = [
         f"Regime `{a.regime}` ({setup}), {epochs} epochs, CPU ranks, {a.repeats} repeats (medians), interleaved.",
         f"oscars options: {' '.join(a.option) or 'defaults'}; per-step jitter (lognormal sigma): {a.jitter}.",
@@ -407,6 +339,19 @@ def main() -> None:
     ]
     for profile, summary in results.items():
         lines += table(profile, summary) + [""]
+    return lines
+
+
+def main() -> None:
+    a = _parser().parse_args()
+    epochs = a.epochs or REGIMES[a.regime]["epochs"]
+    names = a.configs.split(",")
+    results: dict[str, dict] = {}
+    for profile in a.profiles.split(","):
+        results[profile] = summarize(_profile_runs(a, profile, names, epochs))
+        # Written after every profile: a long benchmark that breaks later keeps what it measured.
+        out = _write_json(a, results, epochs)
+    lines = _markdown(a, results, epochs)
     (out / f"{a.name}.md").write_text("\n".join(lines))
     plot(results, out / f"{a.name}.png")
     print("\n".join(lines))

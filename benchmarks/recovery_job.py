@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from benchmarks.task import BenchModule  # noqa: E402
 from lightning_oscars import OscarsStrategy  # noqa: E402
-from lightning_oscars.paradigms import PARADIGMS  # noqa: E402
+from lightning_oscars.lightning.paradigms import PARADIGMS  # noqa: E402
 
 
 class Recorder(L.Callback):

@@ -87,21 +87,31 @@ def job(strategy_name: str, slots: int, out: Path) -> None:
             (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(mine))
 
     L.seed_everything(0, verbose=False)
+    trainer = _trainer(strategy_name, slots, SlotClock())
+    trainer.fit(Tiny())
+
+
+def _trainer(strategy_name: str, slots: int, clock: Any) -> Any:
+    """Both strategies' trainer: 2 CPU ranks, one epoch of ``slots`` slots, nothing around the steps (no logging,
+    checkpoints, progress bar, summary or sanity validation) but ``clock``."""
+    import lightning as L
+
+    import lightning_oscars
+
     oscars = strategy_name == "oscars"
-    trainer = L.Trainer(
+    return L.Trainer(
         strategy=lightning_oscars.OscarsStrategy(local_steps=LOCAL_STEPS, monitor=False) if oscars else strategy_name,
         accelerator="cpu",
         devices=2,
         max_steps=slots,
         max_epochs=1,
-        callbacks=[SlotClock()],
+        callbacks=[clock],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(Tiny())
 
 
 def _ms(values: list[float]) -> float | None:

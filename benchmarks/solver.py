@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.tables import markdown_table
-from lightning_oscars.solver import Schedule, solve_schedule, solve_schedule_alg1
+from lightning_oscars.core.solver import Schedule, solve_schedule, solve_schedule_alg1
 
 # Speed mixes: seconds per step of one rank, drawn per rank.
 MIXES: dict[str, Callable[[random.Random], float]] = {
@@ -64,6 +64,25 @@ def _price(schedule: Schedule) -> dict[str, float]:
     }
 
 
+def _row(a: argparse.Namespace, mix: str, draw: Callable[[random.Random], float], n: int) -> dict:
+    """One mix at ``n`` ranks: both solvers' time per solve and the price of the schedules they return, and of the
+    exact solver's best schedule (tolerance 0)."""
+    rng = random.Random(f"{a.seed}-{mix}-{n}")
+    times = [draw(rng) for _ in range(n)]
+    bounds = {"max_spread": a.max_spread, "max_local_steps": a.max_local_steps}
+    exact_s, exact = _time_solve(lambda t=times, b=bounds: solve_schedule(t, a.allreduce, **b), a.repeats)
+    # tolerance 0: the highest throughput under the bounds (the default trades <= 2% for shorter rounds)
+    best = solve_schedule(times, a.allreduce, tolerance=0.0, **bounds)
+    # Algorithm 1 ignores the all-reduce; price its schedule with the same cost.
+    alg1_s, alg1 = _time_solve(lambda t=times, b=bounds: solve_schedule_alg1(t, **b), a.repeats)
+    alg1 = Schedule(alg1.local_steps, alg1.step_times, a.allreduce)
+    row = {"mix": mix, "ranks": n, "exact_ms": exact_s * 1e3, "alg1_ms": alg1_s * 1e3}
+    row.update({f"exact_{k}": v for k, v in _price(exact).items()})
+    row.update({f"best_{k}": v for k, v in _price(best).items()})
+    row.update({f"alg1_{k}": v for k, v in _price(alg1).items()})
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repeats", type=int, default=7)
@@ -77,23 +96,11 @@ def main() -> None:
     rows = []
     for mix, draw in MIXES.items():
         for n in [r for r in RANKS if r <= a.max_ranks]:
-            rng = random.Random(f"{a.seed}-{mix}-{n}")
-            times = [draw(rng) for _ in range(n)]
-            bounds = {"max_spread": a.max_spread, "max_local_steps": a.max_local_steps}
-            exact_s, exact = _time_solve(lambda t=times, b=bounds: solve_schedule(t, a.allreduce, **b), a.repeats)
-            # tolerance 0: the highest throughput under the bounds (the default trades <= 2% for shorter rounds)
-            best = solve_schedule(times, a.allreduce, tolerance=0.0, **bounds)
-            # Algorithm 1 ignores the all-reduce; price its schedule with the same cost.
-            alg1_s, alg1 = _time_solve(lambda t=times, b=bounds: solve_schedule_alg1(t, **b), a.repeats)
-            alg1 = Schedule(alg1.local_steps, alg1.step_times, a.allreduce)
-            row = {"mix": mix, "ranks": n, "exact_ms": exact_s * 1e3, "alg1_ms": alg1_s * 1e3}
-            row.update({f"exact_{k}": v for k, v in _price(exact).items()})
-            row.update({f"best_{k}": v for k, v in _price(best).items()})
-            row.update({f"alg1_{k}": v for k, v in _price(alg1).items()})
+            row = _row(a, mix, draw, n)
             rows.append(row)
             print(
-                f"{mix:12s} N={n:5d}  exact {exact_s * 1e3:8.3f} ms idle {row['exact_idle_fraction']:.3f} "
-                f"util {row['exact_utilization']:.3f} | alg1 {alg1_s * 1e3:8.3f} ms idle "
+                f"{mix:12s} N={n:5d}  exact {row['exact_ms']:8.3f} ms idle {row['exact_idle_fraction']:.3f} "
+                f"util {row['exact_utilization']:.3f} | alg1 {row['alg1_ms']:8.3f} ms idle "
                 f"{row['alg1_idle_fraction']:.3f} util {row['alg1_utilization']:.3f}",
                 flush=True,
             )

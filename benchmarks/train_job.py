@@ -20,8 +20,8 @@ import lightning as L  # noqa: E402
 import lightning_oscars  # noqa: E402,F401
 from benchmarks.task import BenchModule  # noqa: E402
 from lightning_oscars import OscarsStrategy  # noqa: E402
-from lightning_oscars.monitor import run_fraction_of_ideal  # noqa: E402
-from lightning_oscars.paradigms import PARADIGMS, ParameterServerStrategy, RipplesStrategy  # noqa: E402
+from lightning_oscars.lightning.monitor import run_fraction_of_ideal  # noqa: E402
+from lightning_oscars.lightning.paradigms import PARADIGMS, ParameterServerStrategy, RipplesStrategy  # noqa: E402
 
 
 def summarize(model: BenchModule, history: list[dict], batch_size: int) -> dict:
@@ -78,8 +78,7 @@ class EpochLines(L.Callback):
             print(f"  epoch {trainer.current_epoch + 1}/{trainer.max_epochs}: val_acc {shown}", flush=True)
 
 
-def main() -> None:
-    _stacks_on_sigusr2()
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="oscars", help="ddp, local_sgd, oscars or a paradigm (asp, ssp, ...)")
     p.add_argument("--solver", default="exact")
@@ -102,27 +101,23 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     p.add_argument("--progress", action="store_true", help="show Lightning's progress bar")
     p.add_argument("--out", required=True)
-    a = p.parse_args()
-    L.seed_everything(a.seed, verbose=False)
-    model = BenchModule(
-        slowdown=a.slowdown,
-        step_ms=a.step_ms,
-        hidden=a.hidden,
-        n_train=a.n_train,
-        jitter=a.jitter,
-        ballast_mb=a.ballast_mb,
-        momentum=a.momentum,
-        lr=a.lr,
-        batch_size=a.batch_size,
-        task=a.task,
-    )
+    return p
+
+
+def _strategy(a: argparse.Namespace) -> object:
+    """The strategy ``--strategy`` names: oscars or a parameter-server paradigm built with their options, else the
+    name as Lightning takes it (ddp, ...)."""
     options = {"solver": a.solver, "averaging": a.averaging, **strategy_options(a.option)}
     strategy: object = a.strategy
     if a.strategy == "oscars":
         strategy = OscarsStrategy(**options)
     elif a.strategy in PARADIGMS:  # a parameter-server paradigm with its own options (staleness=15, ...)
         strategy = PARADIGMS[a.strategy][0](**strategy_options(a.option))
-    trainer = L.Trainer(
+    return strategy
+
+
+def _trainer(a: argparse.Namespace, strategy: object) -> L.Trainer:
+    return L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=a.devices,
@@ -137,39 +132,68 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+
+
+def _run_name(a: argparse.Namespace) -> str:
+    """The run's name in the reports: the strategy, with the options that make it differ from its defaults."""
+    name = a.strategy if a.strategy != "oscars" else f"oscars-{a.solver}-{a.averaging}"
+    if a.strategy in PARADIGMS and a.option:
+        name += "-" + ",".join(a.option)
+    if a.momentum != 0.9:
+        name += f"-momentum={a.momentum:g}"
+    return name
+
+
+def _result(a: argparse.Namespace, trainer: L.Trainer, model: BenchModule, wall: float) -> dict:
+    """Rank 0's JSON summary of the run."""
+    s = trainer.strategy
+    history = [r.as_dict() for r in getattr(s, "history", [])]
+    allreduce = [r["allreduce_time"] for r in history[1:]]
+    return {
+        "strategy": _run_name(a),
+        "slowdown": a.slowdown,
+        "epochs": a.epochs,
+        "wall_s": wall,
+        "val_acc": model.val_curve[-1][2],
+        "val_loss": model.val_curve[-1][1],
+        "curve": model.val_curve,
+        "schedule": list(s.schedule.local_steps) if getattr(s, "schedule", None) else None,
+        "step_time_s": history[-1]["step_times"] if history else None,
+        "allreduce_s": sorted(allreduce)[len(allreduce) // 2] if allreduce else None,
+        "cluster": model.cluster,
+        "history": history,
+        # the strategy's own end-of-fit figure, for comparison with the benchmark's (same definition)
+        "monitor_fraction_of_ideal": run_fraction_of_ideal(s.history) if history else None,
+        **summarize(model, history, model.hparams.batch_size),
+        # a parameter server's figures on rank 0's shard: staleness of every grant, replies held back
+        "server": s.scheme.report if isinstance(s, ParameterServerStrategy) else None,
+        # ripples: groups performed, mean group size, seconds in groups on rank 0; how often each pair met
+        "groups": s.scheme.report if isinstance(s, RipplesStrategy) else None,
+    }
+
+
+def main() -> None:
+    _stacks_on_sigusr2()
+    a = _parser().parse_args()
+    L.seed_everything(a.seed, verbose=False)
+    model = BenchModule(
+        slowdown=a.slowdown,
+        step_ms=a.step_ms,
+        hidden=a.hidden,
+        n_train=a.n_train,
+        jitter=a.jitter,
+        ballast_mb=a.ballast_mb,
+        momentum=a.momentum,
+        lr=a.lr,
+        batch_size=a.batch_size,
+        task=a.task,
+    )
+    trainer = _trainer(a, _strategy(a))
     start = time.perf_counter()
     trainer.fit(model)
     wall = time.perf_counter() - start
     if trainer.global_rank == 0:
-        s = trainer.strategy
-        history = [r.as_dict() for r in getattr(s, "history", [])]
-        name = a.strategy if a.strategy != "oscars" else f"oscars-{a.solver}-{a.averaging}"
-        if a.strategy in PARADIGMS and a.option:
-            name += "-" + ",".join(a.option)
-        if a.momentum != 0.9:
-            name += f"-momentum={a.momentum:g}"
-        allreduce = [r["allreduce_time"] for r in history[1:]]
-        result = {
-            "strategy": name,
-            "slowdown": a.slowdown,
-            "epochs": a.epochs,
-            "wall_s": wall,
-            "val_acc": model.val_curve[-1][2],
-            "val_loss": model.val_curve[-1][1],
-            "curve": model.val_curve,
-            "schedule": list(s.schedule.local_steps) if getattr(s, "schedule", None) else None,
-            "step_time_s": history[-1]["step_times"] if history else None,
-            "allreduce_s": sorted(allreduce)[len(allreduce) // 2] if allreduce else None,
-            "cluster": model.cluster,
-            "history": history,
-            # the strategy's own end-of-fit figure, for comparison with the benchmark's (same definition)
-            "monitor_fraction_of_ideal": run_fraction_of_ideal(s.history) if history else None,
-            **summarize(model, history, model.hparams.batch_size),
-            # a parameter server's figures on rank 0's shard: staleness of every grant, replies held back
-            "server": s.scheme.report if isinstance(s, ParameterServerStrategy) else None,
-            # ripples: groups performed, mean group size, seconds in groups on rank 0; how often each pair met
-            "groups": s.scheme.report if isinstance(s, RipplesStrategy) else None,
-        }
+        result = _result(a, trainer, model, wall)
         with open(a.out, "w") as f:
             json.dump(result, f)
 

@@ -212,3 +212,17 @@ def test_modules_and_functions_stay_small(module):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
             assert length <= 60, f"{module}.{node.name} is {length} lines (at most 60)"
+
+
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+
+
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.rglob("*.py")), ids=lambda p: str(p.relative_to(BENCHMARKS)))
+def test_benchmark_modules_and_functions_stay_small(path):
+    """The benchmarks and the simulator (which runs the real round logic of ``core``) keep the same limits."""
+    text = path.read_text()
+    assert len(text.splitlines()) <= 400, f"{path.name} is {len(text.splitlines())} lines (at most 400)"
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            assert length <= 60, f"{path.name}:{node.name} is {length} lines (at most 60)"

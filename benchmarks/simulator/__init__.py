@@ -27,7 +27,7 @@ Model and assumptions (what the numbers do and do not include):
   ``tau_i = 1`` whose all-reduce (of the gradients, same size) is hidden behind backward by ``overlap``.
 * All-reduce cost: ring, ``2 (N-1)/N * bytes / bandwidth + 2 (N-1) * latency`` (0 for one rank); no topology,
   no congestion, the same every round, no overlap of local SGD's averaging with compute.
-* Local SGD and oscars run on the strategy's own round logic: rank 0's ``lightning_oscars.rounds.RoundController``
+* Local SGD and oscars run on the strategy's own round logic: rank 0's ``lightning_oscars.core.rounds.RoundController``
   (every rank computes the same outcome from the same control data) plans and sizes every epoch, lays out the
   warm-up round, takes every averaging's control data, keeps the ledger of round costs and the records, re-solves,
   re-plans, re-sizes the epoch and settles the warm-up, as it does in ``OscarsStrategy``; the schedule policy is the

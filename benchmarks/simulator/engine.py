@@ -1,167 +1,42 @@
 """The discrete-event engine: the package's own round logic on a simulated clock.
 
-Local SGD and oscars run on the strategy's :class:`~lightning_oscars.rounds.RoundController` (rank 0's; every rank
+Local SGD and oscars run on the strategy's :class:`~lightning_oscars.core.rounds.RoundController` (rank 0's; every rank
 computes the same outcome from the same control data): it sizes and plans every epoch, lays out the warm-up, takes
 each averaging's control data, keeps the ledger of round costs (the median of measured ones) and the records,
 re-solves, re-plans and re-sizes the epoch, settles the warm-up round. The engine only simulates what the ranks do
 and measure: every rank's step times (a draw per slot), which slots are real (:meth:`Round.real_offsets`; the warm-up
 gate's decisions), the clock, and each rank's report as ``RoundController.contribution`` writes it
-(:func:`rank_reports`: a test checks the two agree). ddp (BSP) is one step per rank and a barrier, no rounds.
+(``rank_measures.rank_reports``: a test checks the two agree). ddp (BSP) is one step per rank and a barrier, no rounds.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from benchmarks.simulator.cluster import Cluster, Load, Timeline, fit_to_remaining, lognormal
 from benchmarks.simulator.policies import FixedPolicy, OscarsPolicy
-from lightning_oscars.control import ControlData, RankReport
-from lightning_oscars.ledger import MEDIAN_ERROR
-from lightning_oscars.partition import Round, validations_after_resize
-from lightning_oscars.policy import SchedulePolicy
-from lightning_oscars.rounds import RoundController
-from lightning_oscars.warmup import WarmupGate
+
+# What a rank measures and the run's result live in modules of their own; re-exported here, where callers and
+# tests import them from.
+from benchmarks.simulator.rank_measures import measured_steps, rank_reports, timed_warmup_steps  # noqa: F401
+from benchmarks.simulator.result import SimResult, _compress_steps  # noqa: F401
+from lightning_oscars.core.control import ControlData
+from lightning_oscars.core.partition import Round, validations_after_resize
+from lightning_oscars.core.policy import SchedulePolicy
+from lightning_oscars.core.rounds import RoundController
+from lightning_oscars.core.warmup import WarmupGate
 
 __all__ = ["SimResult", "simulate", "simulate_bsp", "simulate_local_sgd", "simulate_oscars"]
 
 Seed = int | np.random.SeedSequence | Sequence[int]
 
 
-@dataclass
-class SimResult:
-    """What one simulated run did. Times in seconds; arrays are per rank. ``rounds`` counts averagings.
-
-    ``validation_s``: simulated train time at every validation; ``history``: per-averaging records (if asked);
-    ``epoch_slots``: every epoch's slots as sized at its start (an upper bound while the speeds are unknown).
-    """
-
-    paradigm: str
-    wall_s: float
-    units: int
-    rounds: int
-    compute_s: np.ndarray
-    idle_s: np.ndarray
-    comm_s: float
-    other_s: float
-    round_utilization: float
-    schedule_changes: list[tuple[int, tuple[int, ...]]]
-    epoch_end_s: list[float]
-    validation_s: list[float] = field(default_factory=list)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    epoch_slots: list[int] = field(default_factory=list)
-
-    @property
-    def throughput(self) -> float:
-        """Optimizer steps per second summed over ranks (samples/s divided by the batch size)."""
-        return self.units / self.wall_s
-
-    @property
-    def utilization(self) -> float:
-        """Compute time over the cluster's time: ``sum_i compute_i / (N x wall)``."""
-        return float(self.compute_s.sum() / (len(self.compute_s) * self.wall_s))
-
-    @property
-    def idle_fraction(self) -> np.ndarray:
-        """Per rank: share of the wall time spent waiting at barriers or in no-op slots."""
-        return self.idle_s / self.wall_s
-
-    @property
-    def final_local_steps(self) -> tuple[int, ...] | None:
-        return self.schedule_changes[-1][1] if self.schedule_changes else None
-
-    def summary(self, ideal: float | None = None, classes: Sequence[str] | None = None) -> dict[str, Any]:
-        """JSON-ready figures; per-rank arrays are reduced to mean/min/max (and per-class means if given)."""
-        idle = self.idle_fraction
-        out: dict[str, Any] = {
-            "paradigm": self.paradigm,
-            "wall_s": self.wall_s,
-            "steps": self.units,
-            "rounds": self.rounds,
-            "throughput": self.throughput,
-            "utilization": self.utilization,
-            "round_utilization": self.round_utilization,
-            "comm_fraction": self.comm_s / self.wall_s,
-            "idle_mean": float(idle.mean()),
-            "idle_min": float(idle.min()),
-            "idle_max": float(idle.max()),
-            "final_local_steps": _compress_steps(self.final_local_steps, classes),
-            "schedule_changes": len(self.schedule_changes),
-        }
-        if ideal:
-            out["fraction_of_ideal"] = self.throughput / ideal
-        if classes is not None:
-            labels = np.asarray(classes)
-            out["idle_by_class"] = {str(c): float(idle[labels == c].mean()) for c in dict.fromkeys(classes)}
-        return out
-
-
-def _compress_steps(steps: tuple[int, ...] | None, classes: Sequence[str] | None) -> Any:
-    """Local steps per speed class (``{"1x": [16], ...}``) for large clusters, the plain tuple for small ones."""
-    if steps is None:
-        return None
-    if classes is None or len(steps) <= 8:
-        return list(steps)
-    out: dict[str, list[int]] = {}
-    for c, tau in zip(classes, steps):
-        out.setdefault(str(c), [])
-        if tau not in out[str(c)]:
-            out[str(c)].append(tau)
-    return {c: sorted(v) for c, v in out.items()}
-
-
 def _val_check_batch(total_slots: int, interval: float | None) -> int | None:
     """Lightning's ``val_check_batch`` for a float ``val_check_interval`` (the strategy re-sizes it with the epoch)."""
     return max(1, int(total_slots * interval)) if interval else None
-
-
-def measured_steps(draws: np.ndarray, real: np.ndarray, noop: np.ndarray) -> np.ndarray:
-    """The seconds a live rank measures for each of its real steps: the step itself, plus the no-op slots since its
-    previous real step in the round (a step's interval starts where the previous one ended; the round's first starts
-    at its own start). ``noop``: each rank's seconds per no-op slot. NaN where a slot is not real."""
-    noops_before = np.cumsum(~real, axis=1)  # no-op slots up to and including each slot
-    at_real = np.where(real, noops_before, -1)
-    previous = np.maximum.accumulate(np.where(real, noops_before, -1), axis=1)  # at the last real slot so far
-    previous = np.concatenate([np.full((real.shape[0], 1), -1), previous[:, :-1]], axis=1)
-    gaps = np.where(real & (previous >= 0), at_real - previous, 0)
-    return np.where(real, draws + noop[:, None] * gaps, np.nan)
-
-
-def rank_reports(
-    draws: np.ndarray,
-    real: np.ndarray,
-    samples: np.ndarray,
-    units: np.ndarray,
-    global_step: int,
-    allreduce: float,
-    overhead: np.ndarray,
-    noop: np.ndarray | None = None,
-) -> tuple[RankReport, ...]:
-    """Every rank's row of the control data, as ``RoundController.contribution`` writes it for a live rank.
-
-    ``draws``: ranks x slots seconds; ``real``: which of those slots were real steps; ``noop``: each rank's seconds
-    per no-op slot (:func:`measured_steps`). A rank's step time is the median of its measured steps, ``compute``
-    their sum, ``error`` the median's standard error as a fraction of it (the MAD-based log-spread over the square
-    root of the steps; 0 below two steps). ``allreduce`` and ``overhead``: what each rank measured of its previous
-    round (0 before one was measured). No jitter: the simulator's rounds are plain.
-    """
-    steps = measured_steps(draws, real, np.zeros(len(draws)) if noop is None else noop)
-    counts = real.sum(axis=1)
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a rank without steps has an all-NaN row
-        medians = np.where(counts > 0, np.nanmedian(np.where(counts[:, None] > 0, steps, 0.0), axis=1), 0.0)
-        spread = np.nanmedian(np.abs(np.log(steps / np.where(medians > 0, medians, 1.0)[:, None])), axis=1)
-    jitter = np.where(counts >= 2, spread / 0.6745, 0.0)
-    errors = np.where(medians > 0, MEDIAN_ERROR * jitter / np.sqrt(np.maximum(counts, 1)), 0.0)
-    compute = np.where(real, steps, 0.0).sum(axis=1)
-    return tuple(
-        RankReport(float(m), int(n), float(c), allreduce, global_step, float(o), int(u), 0.0, float(e))
-        for m, n, c, o, u, e in zip(medians, samples, compute, overhead, units, errors)
-    )
 
 
 class _Engine:
@@ -438,16 +313,6 @@ def _planned_epoch(engine: _Engine, rounds: RoundController, units: int, val_che
         if plan.total_slots != before and check:  # re-sized as the adapter re-sizes Lightning's epoch
             due = sum(validates(c) for c in range(slot + 1, before + 1))
             points = frozenset(validations_after_resize(slot, plan.total_slots, due))
-
-
-def timed_warmup_steps(draws: np.ndarray, warmup_steps: int, reserve: Sequence[int]) -> tuple[int, ...]:
-    """Steps every rank takes in the time-boxed warm-up round (``lightning_oscars.warmup``): its ``warmup_steps``,
-    then every step it starts before the slowest rank has finished its own (a rank decides as it fetches, at the
-    step's start), within its reservation. ``draws``: ranks x slots step times."""
-    ends = np.cumsum(draws, axis=1)
-    done = float(ends[:, warmup_steps - 1].max())
-    started = (ends - draws < done).sum(axis=1)
-    return tuple(int(q) for q in np.clip(started, warmup_steps, np.asarray(reserve)))
 
 
 def simulate_bsp(

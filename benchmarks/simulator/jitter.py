@@ -15,9 +15,9 @@ as the shortest deadline whose simulated throughput is within ``tolerance`` of t
 ``max_local_steps`` fast steps. Both modes are shown at two caps on a round (16 and 32 fast steps): longer
 rounds shrink the relative jitter of the fixed schedule too (``sigma / sqrt(tau)``).
 
-The ``oscars deadline`` column is the strategy's own rule (``deadline_rounds=True``, ``lightning_oscars.deadline``):
-the deadline from ``plan_deadline`` on the ranks' median step times and jitters (the figures the strategy
-measures), the 0.9 quantile rule, and steps capped by the strategy's reservations.
+The ``oscars deadline`` column is the strategy's own rule (``deadline_rounds=True``,
+``lightning_oscars.core.deadline``): the deadline from ``plan_deadline`` on the ranks' median step times and jitters
+(the figures the strategy measures), the 0.9 quantile rule, and steps capped by the strategy's reservations.
 
 Model: steady rounds only (no epochs, no validation, no warm-up: those cost the same in both modes), the
 ranks' mean step times known (the strategy's smoothed estimates), the all-reduce a constant. The fixed schedule
@@ -36,9 +36,9 @@ import torch
 
 from benchmarks.simulator.cluster import lognormal
 from benchmarks.tables import markdown_table
-from lightning_oscars.deadline import deadline_steps as oscars_steps
-from lightning_oscars.deadline import plan_deadline, quantile_step
-from lightning_oscars.solver import solve_schedule
+from lightning_oscars.core.deadline import deadline_steps as oscars_steps
+from lightning_oscars.core.deadline import plan_deadline, quantile_step
+from lightning_oscars.core.solver import solve_schedule
 
 __all__ = ["deadline_fraction", "fixed_tau_fraction", "jitter_study", "oscars_deadline_fraction", "scale_cluster"]
 

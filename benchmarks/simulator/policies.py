@@ -1,4 +1,4 @@
-"""The schedule policies the simulator runs: the strategy's own :class:`~lightning_oscars.policy.SchedulePolicy`.
+"""The schedule policies the simulator runs: the strategy's own :class:`~lightning_oscars.core.policy.SchedulePolicy`.
 
 The simulator keeps no policy logic of its own: solver, snapping, smoothing, the re-balancing rule and the
 epoch-slot bound are the shared object's. These two classes only name a configuration (``name`` is the
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_oscars.policy import SchedulePolicy, Solver
-from lightning_oscars.solver import DEFAULT_MAX_SPREAD
+from lightning_oscars.core.policy import SchedulePolicy, Solver
+from lightning_oscars.core.solver import DEFAULT_MAX_SPREAD
 
 __all__ = ["FixedPolicy", "OscarsPolicy"]
 

@@ -10,7 +10,7 @@ from benchmarks.simulator.prediction import CONFIG_PARADIGMS
 from benchmarks.simulator.study import PARADIGMS, StudyConfig
 from benchmarks.simulator.validation import ddp_is_fit
 from benchmarks.tables import markdown_table
-from lightning_oscars.solver import DEFAULT_MAX_SPREAD
+from lightning_oscars.core.solver import DEFAULT_MAX_SPREAD
 
 __all__ = ["plot", "scaling_markdown", "sensitivity_markdown", "validation_markdown"]
 

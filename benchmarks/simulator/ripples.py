@@ -1,6 +1,6 @@
 """Discrete-event model of Ripples' decentralized training: partial all-reduces among groups of workers.
 
-The groups come from :class:`lightning_oscars.groups.GroupBoard` itself (the generator is not modelled again
+The groups come from :class:`lightning_oscars.core.groups.GroupBoard` itself (the generator is not modelled again
 here); this module only drives it in simulated time, with the protocol of the board's docstring (and of the
 ``drive`` helper of ``tests/test_groups.py``):
 
@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from lightning_oscars.groups import Generator, Group, GroupBoard
+from lightning_oscars.core.groups import Generator, Group, GroupBoard
 
 __all__ = ["RipplesRun", "log_scaled_exchange", "register_all", "simulate_ripples"]
 

@@ -1,4 +1,4 @@
-"""Discrete-event simulation of a parameter server under the staleness rules of ``lightning_oscars.staleness``.
+"""Discrete-event simulation of a parameter server under the staleness rules of ``lightning_oscars.core.staleness``.
 
 Every worker loops: pull the parameters, compute for its step time, push its update; before starting the next
 iteration it asks the rule, and waits until the rule lets it start. The server applies every push at once (its
@@ -14,7 +14,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from lightning_oscars.staleness import DSSP, StalenessRule, WorkerTimes
+from lightning_oscars.core.staleness import DSSP, StalenessRule, WorkerTimes
 
 __all__ = ["ParadigmRun", "simulate_paradigm"]
 
@@ -49,14 +49,7 @@ def simulate_paradigm(
 ) -> ParadigmRun:
     """Run ``rule`` for ``duration_s`` simulated seconds. ``step_s``: every worker's seconds per iteration, or a
     function ``(worker, iteration, now) -> seconds`` (slowdowns, jitter)."""
-    if callable(step_s):
-        if world_size is None:
-            raise ValueError("world_size is needed with a step-time function")
-        n, step = world_size, step_s
-    else:
-        times_s = list(step_s)
-        n = len(times_s)
-        step = lambda worker, iteration, now: times_s[worker]  # noqa: E731
+    n, step = _step_time(step_s, world_size)
     times = WorkerTimes(n)
     clocks = [0] * n
     version = 0
@@ -100,8 +93,23 @@ def simulate_paradigm(
                     progressed = True
         if not events:
             raise RuntimeError(f"{rule.name}: every worker waits for another (deadlock) at {now:.3f} s")
+    _close(run, rule, waiting_since)
+    return run
+
+
+def _step_time(step_s: Sequence[float] | StepTime, world_size: int | None) -> tuple[int, StepTime]:
+    """The number of workers and the step-time function, from either form ``simulate_paradigm`` takes."""
+    if callable(step_s):
+        if world_size is None:
+            raise ValueError("world_size is needed with a step-time function")
+        return world_size, step_s
+    times_s = list(step_s)
+    return len(times_s), lambda worker, iteration, now: times_s[worker]
+
+
+def _close(run: ParadigmRun, rule: StalenessRule, waiting_since: dict[int, float]) -> None:
+    """At the end of the run: the waits still open count up to its end; the rule's own trace (DASP's switches)."""
     for w, since in waiting_since.items():
-        run.waited_s[w] += max(0.0, duration_s - since)
+        run.waited_s[w] += max(0.0, run.duration_s - since)
     if hasattr(rule, "switches"):
         run.switches = list(rule.switches)
-    return run
