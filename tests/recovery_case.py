@@ -52,7 +52,8 @@ from paradigm_models_case import IndexedBlobs, IndexedModule  # noqa: E402
 from torch import Tensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_oscars import HeterogeneityEmulator, OscarsStrategy, recovery_points  # noqa: E402
+from lightning_oscars import HeterogeneityEmulator, OscarsStrategy  # noqa: E402
+from lightning_oscars.core import recovery_points  # noqa: E402
 from lightning_oscars.dist.param_server import ParameterServer  # noqa: E402
 from lightning_oscars.lightning.paradigms import PARADIGMS  # noqa: E402
 
