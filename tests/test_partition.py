@@ -220,3 +220,21 @@ def test_boundaries_never_fall_inside_a_plain_round_and_every_unit_is_used_once(
         for rnd in plan.rounds:
             if rnd.start_slot >= start and not rnd.is_empty and rnd.end_slot < plan.total_slots:
                 assert not any(rnd.start_slot < b < rnd.end_slot for b in boundaries), (rnd, boundaries)
+
+
+def test_a_resize_keeps_an_every_n_batches_validation_at_multiples_of_n():
+    """``val_check_interval=7`` validates every 7 batches under ddp whatever the epoch's length: a re-plan that
+    re-sizes the running epoch must not move the rest of its validations (it once spread them, validating at 13
+    and 20), while a fraction of the epoch spreads the ones still owed."""
+    from lightning_oscars.core.epoch_shape import EpochValidation
+
+    every_seven = EpochValidation(7, batches_per_slot=1)
+    every_seven.sized(30)
+    every_seven.at_batch(9)
+    assert every_seven.resized(27) is None
+    assert all(every_seven.validates_after(b) is None for b in range(27))  # Lightning's own rule: every 7th batch
+    assert every_seven.slots(27) == (7, 14, 21)
+    quarter = EpochValidation(0.25, batches_per_slot=1)
+    quarter.sized(40)
+    quarter.at_batch(9)
+    assert quarter.resized(30) == frozenset({15, 20, 25, 30})  # the 4 owed after batch 9, spread over the 21 left

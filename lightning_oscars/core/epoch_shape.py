@@ -52,7 +52,13 @@ class EpochValidation:
 
     def resized(self, length: int) -> frozenset[int] | None:
         """Lightning was told, at the end of batch :attr:`done`, that the running epoch now has ``length`` batches:
-        where the rest of the epoch validates (``None``: as an epoch of that length would)."""
+        where the rest of the epoch validates (``None``: as an epoch of that length would).
+
+        A batch count (an int ``val_check_interval``) means every that many batches whatever the epoch's length, as
+        under ddp: a re-size keeps that rule. A fraction of the epoch spreads the validations still owed."""
+        if not isinstance(self.interval, float):
+            self.length, self.points = length, None
+            return None
         due = self.due(self.done)
         self.length = length
         self.points = None if due is None else frozenset(validations_after_resize(self.done, length, due))
