@@ -6,8 +6,10 @@ of the step at about the same time. A step's time on a rank grows with its batch
 ``n`` samples (:class:`BatchTimeModel`, fitted to the measured steps). :func:`solve_shares` gives each rank a whole
 number of samples, the shares summing to the global batch, that minimises the slowest rank's predicted time.
 :func:`share_span` says which positions of a global batch a rank takes, so that the union over ranks is exactly
-ddp's global batch. :func:`resolve_batch_sizes` reads the per-rank caps a user gives. Pure arithmetic: no Lightning,
-no torch.distributed.
+ddp's global batch. :func:`resolve_batch_sizes` reads the per-rank caps a user gives. :class:`ShareSchedule` is the
+fit's agreed shares, batch by batch (a change takes effect a few batches ahead, beyond what the loader has already
+fetched); :class:`ShareBalancer` fits each rank's time model to the measured steps and proposes new shares when they
+are predicted to be faster. Pure arithmetic: no Lightning, no torch.distributed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["BatchTimeModel", "resolve_batch_sizes", "share_span", "solve_shares", "split_last_batch"]
+__all__ = [
+    "BatchTimeModel",
+    "ShareBalancer",
+    "ShareSchedule",
+    "resolve_batch_sizes",
+    "share_span",
+    "solve_shares",
+    "split_last_batch",
+]
 
 
 @dataclass(frozen=True)
@@ -130,3 +140,119 @@ def resolve_batch_sizes(
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
             raise ValueError(f"every batch size in batch_sizes must be an integer of at least 1, got {caps}")
     return caps
+
+
+BatchKey = tuple[int, int]  # (epoch, batch index in the epoch): the order in which every rank runs the batches
+
+
+class ShareSchedule:
+    """Every rank's share of each global batch of a fit, the same on every rank.
+
+    A change is made at one batch and takes effect at a later one (``(epoch, batch)`` keys, in the order the batches
+    run), so that a loader which has already fetched the next few batches fetched them under the shares they run
+    with. Shares hold from their key on, across epochs, until the next change."""
+
+    def __init__(self, initial: Sequence[int]) -> None:
+        if not initial or any(n < 0 for n in initial) or sum(initial) < 1:
+            raise ValueError(f"initial shares must be non-negative with a positive sum, got {list(initial)}")
+        self.total = sum(initial)
+        self.changes: list[tuple[BatchKey, tuple[int, ...]]] = [((-1, 0), tuple(initial))]
+
+    @property
+    def world(self) -> int:
+        return len(self.changes[0][1])
+
+    @property
+    def latest(self) -> tuple[int, ...]:
+        return self.changes[-1][1]
+
+    def shares_at(self, key: BatchKey) -> tuple[int, ...]:
+        """The shares of the global batch ``key`` (the last change at or before it)."""
+        for at, shares in reversed(self.changes):
+            if at <= key:
+                return shares
+        return self.changes[0][1]
+
+    def change(self, at: BatchKey, shares: Sequence[int]) -> None:
+        """From batch ``at`` on, ``shares`` (summing to the global batch). ``at`` may not precede the last change."""
+        shares = tuple(int(n) for n in shares)
+        if len(shares) != self.world or sum(shares) != self.total or min(shares) < 0:
+            raise ValueError(f"shares {list(shares)} do not split a global batch of {self.total} among {self.world}")
+        if at < self.changes[-1][0]:
+            raise ValueError(f"a change at {at} precedes the last one at {self.changes[-1][0]}")
+        if shares != self.latest:
+            self.changes.append((at, shares))
+
+
+class ShareBalancer:
+    """Proposes shares of a global batch of ``total`` samples from the ranks' measured steps.
+
+    Every rank feeds it the same agreed measures (each rank's samples and seconds of its own work per step, waits
+    left out), so every rank proposes the same shares. Per rank and batch size it keeps a moving average of the
+    seconds (``smoothing``: the newest step's weight); a rank's :class:`BatchTimeModel` is fitted to those averages
+    (one size seen: time taken as proportional to the batch). After ``warmup_steps`` measured steps, and every
+    ``warmup_steps`` after, it solves the shares again and proposes them when they are predicted to make the step at
+    least ``min_gain`` faster than the current shares, under the same models (hysteresis: noise does not move them).
+    ``pinned``: every rank's seconds per step at ``batch_size`` samples, fixed (no measuring; time proportional to
+    the batch)."""
+
+    def __init__(
+        self,
+        total: int,
+        world: int,
+        caps: Sequence[int] | None = None,
+        warmup_steps: int = 4,
+        min_gain: float = 0.02,
+        smoothing: float = 0.5,
+        pinned: Sequence[float] | None = None,
+    ) -> None:
+        self.total, self.world = total, world
+        self.caps = None if caps is None else list(caps)
+        self.every = max(1, warmup_steps)
+        self.min_gain, self.smoothing = min_gain, smoothing
+        self.pinned = None if pinned is None else list(pinned)
+        if self.pinned is not None and len(self.pinned) != world:
+            raise ValueError(f"{len(self.pinned)} pinned step times for {world} ranks")
+        self._seconds: list[dict[int, float]] = [{} for _ in range(world)]  # per rank: batch size -> moving average
+        self._since_solve = 0
+
+    def initial(self) -> list[int]:
+        """The first shares: the pinned speeds' split, else ddp's equal split (within the caps)."""
+        if self.pinned is not None:
+            batch = self.total / self.world
+            return solve_shares(
+                self.total, [BatchTimeModel(0.0, max(t, 1e-12) / batch) for t in self.pinned], self.caps
+            )
+        return solve_shares(self.total, [BatchTimeModel(0.0, 1.0)] * self.world, self.caps)
+
+    def models(self) -> list[BatchTimeModel] | None:
+        """Every rank's fitted time model (``None`` until every rank has a measure)."""
+        if any(not seen for seen in self._seconds):
+            return None
+        return [BatchTimeModel.fit(list(seen), list(seen.values())) for seen in self._seconds]
+
+    def observe(self, samples: Sequence[int], seconds: Sequence[float], current: Sequence[int]) -> list[int] | None:
+        """One step's measures (``samples[r]`` samples took rank ``r`` ``seconds[r]``; a rank with no measure has
+        ``seconds[r] <= 0``); returns new shares when it is time to re-solve and they beat ``current``, else
+        ``None``."""
+        if self.pinned is not None:
+            return None
+        for rank, (n, s) in enumerate(zip(samples, seconds)):
+            if n > 0 and s > 0 and math.isfinite(s):
+                seen = self._seconds[rank]
+                seen[n] = s if n not in seen else (1 - self.smoothing) * seen[n] + self.smoothing * s
+        self._since_solve += 1
+        if self._since_solve < self.every:
+            return None
+        self._since_solve = 0
+        return self.propose(current)
+
+    def propose(self, current: Sequence[int]) -> list[int] | None:
+        """The solved shares if they beat ``current`` by ``min_gain`` under the fitted models, else ``None``."""
+        models = self.models()
+        if models is None:
+            return None
+        proposed = solve_shares(self.total, models, self.caps)
+        now = max(m.time(n) for m, n in zip(models, current))
+        then = max(m.time(n) for m, n in zip(models, proposed))
+        return proposed if then < (1 - self.min_gain) * now else None

@@ -56,6 +56,8 @@ _NOT_SERVED = {
     "replica_size": "a paradigm's ranks exchange after every step on their own; replica groups are for oscars and"
     " local_sgd",
     "replica_spans_nodes": "it configures replica_size, which a paradigm does not take",
+    "balance": "a paradigm balances by local steps on deadline rounds; balance='batch' is oscars' synchronous mode",
+    "batch_sizes": "per-rank batch sizes come with balance='batch', which a paradigm does not take",
 }
 # Options the parameter-server paradigms cannot serve on top of those.
 _NOT_SERVED_ON_THE_SERVER = {

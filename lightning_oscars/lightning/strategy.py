@@ -30,13 +30,14 @@ from lightning_oscars.core.policy import SchedulePolicy, Solver
 from lightning_oscars.core.recovery_points import RecoveryPoint
 from lightning_oscars.core.replicas import ReplicaLayout
 from lightning_oscars.core.rounds import RoundController
-from lightning_oscars.core.solver import DEFAULT_MAX_SPREAD, Schedule
+from lightning_oscars.core.solver import DEFAULT_MAX_SPREAD
 from lightning_oscars.core.timing import make_clock
 from lightning_oscars.core.warmup import StoreCounter
 from lightning_oscars.dist._c10d import default_store_or_none, destroy_gloo_group_at_exit, replica_groups, retire_group
 from lightning_oscars.dist.local_collectives import LocalWorld
 from lightning_oscars.dist.schemes import ModelAveraging, SyncScheme
 from lightning_oscars.lightning import _internals as internals
+from lightning_oscars.lightning.batch_hooks import BatchBalanceHooks
 from lightning_oscars.lightning.collectives import LocalStepCollectives
 from lightning_oscars.lightning.recovery import FitRecovery, find_recovery_point, recovery_store
 from lightning_oscars.lightning.session import FitSession
@@ -46,6 +47,7 @@ from lightning_oscars.lightning.strategy_options import (
     OscarsOptions,
     check_ddp_wrapper_options,
 )
+from lightning_oscars.lightning.strategy_state import RoundViews
 
 __all__ = ["DEFAULT_TIMEOUT", "OscarsStrategy", "RoundRecord"]
 
@@ -54,10 +56,16 @@ Averaging = Literal["uniform", "samples"]
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-class OscarsStrategy(OscarsOptions, LocalStepCollectives):
+class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepCollectives):
     """Load-balanced local SGD for clusters whose ranks run at different speeds (the Oscars method).
 
     Args:
+        balance: ``"steps"`` (default: local SGD, fast ranks take more local steps per round) or ``"batch"`` (ddp's
+            synchronous steps over ddp's global batch, each rank's share of it sized to its speed and gradients
+            weighted by share: ddp's trajectory; ``docs/batch-balance.md``). Under ``"batch"`` only ``warmup_steps``,
+            ``min_gain``, ``smoothing``, ``step_times``, ``seed`` and ``batch_sizes`` apply of the options below.
+        batch_sizes: with ``balance="batch"``: each rank's largest share (its memory), a list by rank or a dict by
+            device name (``torch.cuda.get_device_name()``); ``None``: no cap.
         solver: ``"exact"`` (communication-aware, exact; default), ``"alg1"`` (the paper's Algorithm 1) or
             ``"uniform"`` (fixed-period local SGD: every rank takes ``max_local_steps`` steps per round).
         averaging: ``"uniform"`` (the paper's Eq. 4: plain mean) or ``"samples"`` (weighted by the samples
@@ -122,6 +130,8 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
 
     def __init__(
         self,
+        balance: Literal["steps", "batch"] = "steps",
+        batch_sizes: list[int] | dict[str, int] | None = None,
         solver: Solver = "exact",
         averaging: Averaging = "uniform",
         average_optimizer_state: bool = False,
@@ -201,47 +211,6 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         """Local SGD is on: fitting with more than one rank, or resuming the survivors of a failed round."""
         return self.world_size > 1 or self._recovery_point is not None
 
-    @property
-    def slot_is_real(self) -> bool:
-        """Whether the batch in progress is a real local step of this rank (``False`` on a no-op slot, where hooks
-        see an empty batch and ``outputs == {}``; see ``docs/lightning-semantics.md``). ``True`` outside a fit."""
-        return self._session is None or self._session.rounds.slot.real
-
-    @property
-    def rounds(self) -> RoundController | None:
-        """The round controller of the current (or last) fit; ``None`` before the first fit with several ranks."""
-        session = self._session or self._last_session
-        return None if session is None else session.rounds
-
-    @property
-    def scheme(self) -> SyncScheme | None:
-        """The synchronisation scheme of the current (or last) fit; ``None`` before the first."""
-        session = self._session or self._last_session
-        return None if session is None else session.scheme
-
-    @property
-    def local_steps(self) -> tuple[int, ...]:
-        """Every rank's local steps in the current (or last) round; ``()`` before the first fit."""
-        return () if self.rounds is None else self.rounds.local_steps
-
-    @property
-    def schedule(self) -> Schedule | None:
-        return None if self.rounds is None else self.rounds.policy.schedule
-
-    @property
-    def history(self) -> list[RoundRecord]:
-        """Every averaging of the last fit, as all ranks agreed on it."""
-        return [] if self.rounds is None else self.rounds.history
-
-    @property
-    def layout(self) -> ReplicaLayout:
-        """The run's replica groups (one rank per replica unless ``replica_size`` says otherwise)."""
-        return self._layout
-
-    @property
-    def num_averagings(self) -> int:
-        return 0 if self.rounds is None else self.rounds.num_averagings
-
     # ------------------------------------------------------------------ Lightning hooks
 
     @override
@@ -278,6 +247,9 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
         if problem is not None:
             raise ValueError(problem)
         self._end_fit()  # a previous fit on this Trainer that was not torn down, if any
+        if self.balance == "batch":
+            self._restored = None
+            return self._begin_batch_fit(trainer)
         scheme = self.make_scheme()
         store = default_store_or_none()
         rounds = self.make_rounds(
@@ -348,6 +320,10 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = internals.trainer_of(self.lightning_module)
+        batch = self._batch
+        if batch is not None and batch.fitting(trainer) and trainer.state.stage == RunningStage.TRAINING:  # type: ignore[union-attr]
+            assert trainer is not None
+            return batch.wrap_dataloader(trainer, dataloader)
         session = self._session
         if session is None or not session.fitting(trainer) or trainer.state.stage != RunningStage.TRAINING:  # type: ignore[union-attr]
             return dataloader
@@ -376,7 +352,7 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._in_local_step = self.is_active
+        self._in_local_step = self.is_active and self._batch is None  # balance="batch": ddp's steps, in lockstep
         try:
             if not self._in_local_step:
                 return super().training_step(*args, **kwargs)
@@ -389,6 +365,7 @@ class OscarsStrategy(OscarsOptions, LocalStepCollectives):
     @override
     def teardown(self) -> None:
         self._end_fit()
+        self._end_batch_fit()
         self._noop_batch = None
         super().teardown()
         retire_group(self._replica_group)  # the wrapper that used it is gone; destroyed when the next groups are made

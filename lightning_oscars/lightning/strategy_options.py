@@ -9,9 +9,11 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_oscars.core.batch_shares import resolve_batch_sizes
 from lightning_oscars.core.policy import SchedulePolicy, Solver
 from lightning_oscars.core.replicas import ReplicaLayout
 from lightning_oscars.core.rounds import RoundController
+from lightning_oscars.core.solver import DEFAULT_MAX_SPREAD
 from lightning_oscars.core.timing import LapClock
 from lightning_oscars.core.warmup import WarmupGate
 from lightning_oscars.dist.outer import OuterNesterovAveraging
@@ -23,6 +25,8 @@ __all__ = ["DDP_WRAPPER_OPTIONS", "OPTION_NAMES", "OscarsOptions", "check_ddp_wr
 # The strategy's own options: declared once, with their defaults and documentation, in ``OscarsStrategy.__init__``'s
 # signature (which LightningCLI reads); validated once, in ``OscarsOptions._set_options``.
 OPTION_NAMES = (
+    "balance",
+    "batch_sizes",
     "solver",
     "averaging",
     "average_optimizer_state",
@@ -67,9 +71,53 @@ def _path_or_none(name: str, value: Any) -> str | None:
     return None if value is None else os.fspath(value)
 
 
+# Options that only mean something for local steps, with their defaults: under balance="batch" another value is an
+# error naming it (the constructor's defaults; a registered name such as "local_sgd" sets one).
+LOCAL_STEP_OPTIONS: dict[str, Any] = {
+    "solver": "exact",
+    "averaging": "uniform",
+    "average_optimizer_state": False,
+    "max_spread": DEFAULT_MAX_SPREAD,
+    "max_local_steps": 16,
+    "efficiency_tolerance": 0.02,
+    "timed_warmup": True,
+    "rebalance_threshold": 0.2,
+    "deadline_rounds": False,
+    "local_steps": None,
+    "outer_lr": None,
+    "overlap_averaging": False,
+    "replica_size": 1,
+}
+
+
+def check_balance(o: Mapping[str, Any]) -> None:
+    """``balance`` and ``batch_sizes``, and the options ``balance="batch"`` cannot serve."""
+    if o["balance"] not in ("steps", "batch"):
+        raise ValueError(f"balance must be 'steps' or 'batch', got {o['balance']!r}")
+    sizes = o["batch_sizes"]
+    if sizes is not None:
+        if o["balance"] != "batch":
+            raise ValueError(
+                "batch_sizes (a batch size per rank) is taken with balance='batch' only; under balance='steps'"
+                " every rank trains the DataLoader's batch_size"
+            )
+        if isinstance(sizes, str):
+            raise ValueError(f"batch_sizes must be a list (one per rank) or a dict by device name, got {sizes!r}")
+        resolve_batch_sizes(sizes, len(sizes), list(sizes))  # the values; the length is checked at fit start
+    if o["balance"] == "batch":
+        for name, default in LOCAL_STEP_OPTIONS.items():
+            if o[name] != default:
+                raise ValueError(
+                    f"{name}={o[name]!r} configures local steps, which balance='batch' does not take (every step is"
+                    " ddp's synchronous step). Leave it out, or use balance='steps'."
+                )
+
+
 class OscarsOptions:
     """The strategy's own constructor options as attributes (what LightningCLI prints and a config sets)."""
 
+    balance: str
+    batch_sizes: list[int] | dict[str, int] | None
     solver: Solver
     averaging: str
     average_optimizer_state: bool
@@ -102,6 +150,7 @@ class OscarsOptions:
         if missing:
             raise TypeError(f"missing options: {missing}")
         o = dict(options)
+        check_balance(o)
         if o["averaging"] not in ("uniform", "samples"):
             raise ValueError(f"averaging must be 'uniform' or 'samples', got {o['averaging']!r}")
         seed = o["seed"]
@@ -129,6 +178,7 @@ class OscarsOptions:
         policy = SchedulePolicy(
             o["solver"], **{arg: o[name] for name, arg in _POLICY_ARGS.items()}
         )  # raises naming a bad schedule option
+        self.balance, self.batch_sizes = o["balance"], o["batch_sizes"]
         self.solver = o["solver"]
         self.averaging = o["averaging"]
         self.average_optimizer_state = bool(o["average_optimizer_state"])

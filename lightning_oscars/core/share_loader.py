@@ -1,0 +1,177 @@
+"""The training loader of batch balancing: every rank's share of ddp's global batches, one per step.
+
+ddp with ``batch_size`` ``B`` on ``W`` ranks trains, at step ``j`` of an epoch, the samples at positions
+``[j*B*W, (j+1)*B*W)`` of the epoch's order (``DistributedSampler`` deals position ``r + W*k`` to rank ``r``, and
+rank ``r``'s batch ``j`` holds its positions ``k`` in ``[j*B, (j+1)*B)``). :class:`ShareLoader` yields, at step
+``j``, this rank's span of that same global batch under the step's shares (``batch_shares.share_span``), so the
+union over ranks is ddp's global batch whatever the shares, and an epoch trains every sample once (no padding: the
+last global batch is short, split in the shares' proportions; a remainder smaller than the world joins the batch
+before it, so that no rank steps on nothing). Every rank yields the same number of batches, so Lightning's counters
+agree as under ddp.
+
+The shares come from a :class:`~lightning_oscars.core.batch_shares.ShareSchedule` read as each batch is fetched; a
+re-balance takes effect :attr:`ShareLoader.lag` batches ahead, beyond what the inner ``DataLoader``'s workers and
+Lightning's fetcher may already hold.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from lightning_oscars.core.batch_shares import BatchKey, ShareSchedule, share_span, split_last_batch
+from lightning_oscars.core.epoch_order import EpochOrder
+
+__all__ = ["ShareLoader", "epoch_batches"]
+
+_CARRIED = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+def epoch_batches(samples: int, total: int, world: int, drop_last: bool) -> list[tuple[int, int]]:
+    """The global batches of an epoch of ``samples`` samples: ``(first position, samples)`` each. Batches of
+    ``total``; the remainder is a last, short batch (dropped with ``drop_last``), or joins the batch before it when it
+    is smaller than the world (every rank must have a sample to step on)."""
+    full, rest = divmod(samples, total)
+    batches = [(j * total, total) for j in range(full)]
+    if rest and not drop_last:
+        if rest < world and batches:
+            start, size = batches.pop()
+            batches.append((start, size + rest))
+        else:
+            batches.append((full * total, rest))
+    return batches
+
+
+class _EpochSampler:
+    """Holds the epoch number for Lightning's ``set_epoch`` call."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+class _ShareBatches:
+    """The inner loader's batch sampler: this rank's index lists from a batch on, shares read as each is drawn."""
+
+    def __init__(self, owner: ShareLoader, epoch: int, start: int) -> None:
+        self.owner, self.epoch, self.start = owner, epoch, start
+
+    def __len__(self) -> int:
+        return max(0, len(self.owner) - self.start)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in range(self.start, len(self.owner)):
+            yield self.owner.indices(self.epoch, batch)
+
+
+class ShareLoader:
+    """Wraps the user's training ``DataLoader`` for batch balancing; see the module docstring.
+
+    Args:
+        dataloader: the user's loader: its dataset, ``batch_size`` (per rank, as under ddp), ``drop_last``, workers.
+        rank, world_size: this process's place.
+        order: the epoch order of the user's sampler (``epoch_order.EpochOrder``).
+        schedule: the fit's shares, batch by batch.
+    """
+
+    def __init__(self, dataloader: DataLoader, rank: int, world_size: int, order: EpochOrder, schedule: ShareSchedule):
+        if dataloader.batch_size is None:
+            raise ValueError(
+                "balance='batch' needs the training DataLoader's batch_size (each rank's, as under ddp); a custom"
+                " batch_sampler is not supported. Pass batch_size=... (and drop_last) to the DataLoader instead."
+            )
+        self.dataset = dataloader.dataset
+        self.batch_size = int(dataloader.batch_size)
+        self.drop_last = bool(dataloader.drop_last)
+        self.rank, self.world_size = rank, world_size
+        self.order, self.schedule = order, schedule
+        if schedule.total != self.batch_size * world_size or schedule.world != world_size:
+            raise ValueError(f"a schedule of {schedule.total} samples for {world_size} ranks of {self.batch_size}")
+        self.batches = epoch_batches(order.num_samples, schedule.total, world_size, self.drop_last)
+        if not self.batches:
+            raise ValueError(
+                f"The training set has {order.num_samples} samples, fewer than one global batch of {schedule.total}"
+                f" ({self.batch_size} per rank on {world_size} ranks) with drop_last=True: nothing to train."
+            )
+        kwargs = {k: getattr(dataloader, k) for k in _CARRIED if hasattr(dataloader, k)}
+        workers = kwargs.get("num_workers", 0)
+        if workers == 0:
+            for key in ("prefetch_factor", "persistent_workers", "timeout"):
+                kwargs.pop(key, None)
+        self._loader_kwargs = kwargs
+        # Batches fetched ahead of the one running: the inner loader's workers' queue and Lightning's fetcher's one.
+        self.lag = 2 + (workers * (kwargs.get("prefetch_factor") or 2) if workers else 0)
+        self.sampler = _EpochSampler()
+        self.epoch = 0
+        self.start_batch = 0  # set when Lightning resumes mid-epoch
+        self._order: list[int] | None = None
+        self._order_epoch = -1
+        self._inner: Iterator[Any] | None = None
+        # Called as each epoch's iterator is made, to hand over the epoch (``start_epoch``): Lightning makes the first
+        # one before any epoch hook, once it has restored a checkpoint's counters (a mid-epoch resume's batch).
+        self.before_epoch: Callable[[], None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def start_epoch(self, epoch: int, order: Sequence[int] | None = None, start_batch: int = 0) -> None:
+        """The epoch about to run, its order (``None``: drawn here) and the batch it starts from (a resume)."""
+        self.epoch = self.sampler.epoch = epoch
+        self._order = list(order) if order is not None else self.order.draw(epoch)
+        if len(self._order) != self.order.num_samples:
+            raise ValueError(f"an epoch order of {len(self._order)} samples for a loader of {self.order.num_samples}")
+        self._order_epoch = epoch
+        self.start_batch = start_batch
+
+    def shares(self, epoch: int, batch: int) -> list[int]:
+        """Every rank's samples in global batch ``batch`` of ``epoch`` (the last one's cut in proportion)."""
+        shares = self.schedule.shares_at((epoch, batch))
+        size = self.batches[batch][1]
+        if size == self.schedule.total:
+            return list(shares)
+        if size > self.schedule.total:  # a remainder smaller than the world joined this batch: one more each
+            extra = size - self.schedule.total
+            return [n + (1 if r < extra else 0) for r, n in enumerate(shares)]
+        return split_last_batch(shares, size)
+
+    def indices(self, epoch: int, batch: int) -> list[int]:
+        """This rank's sample indices in global batch ``batch`` of ``epoch``."""
+        if self._order is None or self._order_epoch != epoch:
+            self._order, self._order_epoch = self.order.draw(epoch), epoch
+        first, last = share_span(self.batches[batch][0], self.shares(epoch, batch), self.rank)
+        return self._order[first:last]
+
+    def change_key(self, now: BatchKey, batches_per_step: int = 1) -> BatchKey:
+        """The first batch a change decided at batch ``now`` can take effect at: past the fetched ones, at an
+        optimizer step's first batch (shares stay fixed within an accumulation of ``batches_per_step``)."""
+        epoch, batch = now
+        at = batch + self.lag
+        return epoch, math.ceil(at / batches_per_step) * batches_per_step
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.before_epoch is not None:
+            self.before_epoch()
+        start, self.start_batch = self.start_batch, 0
+        sampler = _ShareBatches(self, self.epoch, start)
+        self._inner = iter(DataLoader(self.dataset, batch_sampler=sampler, **self._loader_kwargs))
+        return self._inner
+
+    def close(self) -> None:
+        """Let the epoch's worker processes go now."""
+        self._inner = None

@@ -1,0 +1,271 @@
+"""One fit under ``balance="batch"``: ddp's synchronous steps, each rank's share of the global batch sized to its speed.
+
+:class:`BatchBalanceSession` wires the pure parts (``core/share_loader.py``'s loader, ``core/batch_shares.py``'s
+schedule and balancer) and the step's collective (``dist/batch_weighting.py``) to the trainer:
+
+* the training loader becomes a :class:`~lightning_oscars.core.share_loader.ShareLoader` (ddp's global batches in
+  ddp's order, this rank's share of each);
+* before backward, the loss is scaled by the rank's share (:func:`~lightning_oscars.dist.batch_weighting.share_weight`);
+  after the backward that ends an optimizer step (not inside Lightning's gradient accumulation), one all-reduce
+  makes the mean gradient, spreads rank 0's buffers and carries each rank's measured step;
+* a rank's step is the time of its own work between two such all-reduces, less the time it spent in the
+  strategy's collectives (``self.log(..., sync_dist=True)`` waits for the slowest rank) and with validation, epoch
+  ends and checkpoint writes left out; the balancer re-solves the shares from those measures, and a change takes
+  effect a few batches ahead on every rank alike.
+
+Every rank runs the same batches and the same collectives, as under ddp, so Lightning's loops, hooks and
+collectives are left as they are: the session installs one callback (removed at its end) and patches nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import ParallelStrategy
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_oscars.core.batch_shares import BatchKey, ShareBalancer, ShareSchedule, resolve_batch_sizes
+from lightning_oscars.core.epoch_order import EpochOrder, training_set_size
+from lightning_oscars.core.share_loader import ShareLoader
+from lightning_oscars.dist.batch_weighting import StepSync, share_weight
+from lightning_oscars.lightning import _internals as internals
+
+__all__ = ["BatchBalanceSession", "ShareChange"]
+
+ShareChange = tuple[int, int, list[int]]  # (epoch, batch, shares from that batch on)
+
+
+class BatchBalanceSession:
+    """One fit under ``balance="batch"`` (see the module docstring).
+
+    Args:
+        strategy: the Lightning strategy whose ranks, device, module and collectives the fit uses.
+        batch_sizes: the user's per-rank caps (a list by rank, a dict by device name, or ``None``).
+        warmup_steps, min_gain, smoothing: the balancer's (``ShareBalancer``).
+        step_times: pinned seconds per step of every rank at the user's batch size (no measuring).
+        seed: the strategy's shuffle seed (``None``: the sampler's or ``seed_everything``'s).
+        restored: the ``"oscars_batch"`` entry of the checkpoint the fit resumes from.
+        resumed_from_local_steps: the checkpoint was written under ``balance="steps"`` (its epoch's data was split
+            by rounds, not by ddp's batches: only an epoch boundary can be resumed).
+    """
+
+    def __init__(
+        self,
+        strategy: ParallelStrategy,
+        *,
+        batch_sizes: Sequence[int] | dict[str, int] | None,
+        warmup_steps: int,
+        min_gain: float,
+        smoothing: float,
+        step_times: Sequence[float] | None = None,
+        seed: int | None = None,
+        restored: dict[str, Any] | None = None,
+        resumed_from_local_steps: bool = False,
+    ) -> None:
+        self.strategy = strategy
+        self.batch_sizes = batch_sizes
+        self.warmup_steps, self.min_gain, self.smoothing = warmup_steps, min_gain, smoothing
+        self.step_times = None if step_times is None else list(step_times)
+        self.seed = seed
+        self.restored = restored
+        self.resumed_from_local_steps = resumed_from_local_steps
+        self.loader: ShareLoader | None = None
+        self.schedule: ShareSchedule | None = None
+        self.balancer: ShareBalancer | None = None
+        self.caps: list[int] | None = None
+        self.changes: list[ShareChange] = []  # every change of the shares in this fit, as agreed
+        self.steps: list[list[int]] = []  # every optimizer step's shares (a test's and a benchmark's record)
+        self._trainer: Trainer | None = None
+        self._callback: _BatchCallback | None = None
+        self._sync: StepSync | None = None
+        self._key: BatchKey = (0, 0)
+        self._shares: list[int] = []
+        self._samples = 0  # this rank's samples since the last all-reduce, and in how many batches
+        self._batches = 0
+        self._blocked = False  # inside Lightning's gradient accumulation: no all-reduce after this backward
+        self._last_sync: float | None = None  # when the last all-reduce returned (None: the next step is not measured)
+        self._excluded = 0.0
+        self.ended = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def begin(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        self._callback = _BatchCallback(self)
+        trainer.callbacks.insert(0, self._callback)  # type: ignore[attr-defined]
+
+    def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if self._trainer is not None and self._callback is not None:
+            mine = id(self._callback)
+            self._trainer.callbacks = [cb for cb in self._trainer.callbacks if id(cb) != mine]  # type: ignore[attr-defined]
+        self._trainer, self._callback, self._sync = None, None, None
+        if self.loader is not None:
+            self.loader.close()
+
+    def fitting(self, trainer: Trainer | None) -> bool:
+        return not self.ended and trainer is not None and trainer is self._trainer
+
+    # ------------------------------------------------------------------ data
+
+    def wrap_dataloader(self, trainer: Trainer, dataloader: object) -> ShareLoader:
+        if not isinstance(dataloader, DataLoader):
+            raise ValueError(f"balance='batch' needs a torch DataLoader for training, got {type(dataloader).__name__}")
+        strategy = self.strategy
+        world, rank = strategy.world_size, strategy.global_rank
+        order = EpochOrder.of(internals.unwrap_sampler(dataloader.sampler), training_set_size(dataloader), self.seed)
+        if dataloader.batch_size is None:
+            raise ValueError(
+                "balance='batch' needs the training DataLoader's batch_size (each rank's, as under ddp); a custom"
+                " batch_sampler is not supported. Pass batch_size=... (and drop_last) to the DataLoader instead."
+            )
+        total = int(dataloader.batch_size) * world
+        if self.schedule is None or self.schedule.total != total:
+            self._plan(total, world)
+        assert self.schedule is not None
+        loader = ShareLoader(dataloader, rank, world, order, self.schedule)
+        loader.before_epoch = lambda: self._start_epoch(trainer)
+        self.loader = loader
+        return loader
+
+    def _plan(self, total: int, world: int) -> None:
+        """The caps, the balancer and the first shares (a resumed fit's, when its global batch is the same)."""
+        self.caps = resolve_batch_sizes(self.batch_sizes, world, self._device_names())
+        self.balancer = ShareBalancer(
+            total, world, self.caps, self.warmup_steps, self.min_gain, self.smoothing, pinned=self.step_times
+        )
+        first = self.balancer.initial()
+        saved = (self.restored or {}).get("shares")
+        if saved is not None and len(saved) == world and sum(saved) == total:
+            if self.caps is None or all(n <= c for n, c in zip(saved, self.caps)):
+                first = [int(n) for n in saved]
+        self.schedule = ShareSchedule(first)
+        self.changes = [(-1, 0, list(first))]
+
+    def _device_names(self) -> list[str]:
+        """Every rank's device name (one collective, on every rank, only when caps are given by name)."""
+        if not isinstance(self.batch_sizes, dict):
+            return []
+        device = self.strategy.root_device
+        mine = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        names: list[Any] = [None] * self.strategy.world_size
+        torch.distributed.all_gather_object(names, mine)
+        return [str(n) for n in names]
+
+    def _start_epoch(self, trainer: Trainer) -> None:
+        """Lightning makes an epoch's iterator: hand the loader the epoch, its order and where a resume starts."""
+        loader = self.loader
+        assert loader is not None
+        order = None
+        if loader.order.shared:  # a custom sampler's draw: rank 0's, for every rank (one collective, on all)
+            mine = loader.order.draw(trainer.current_epoch) if self.strategy.global_rank == 0 else None
+            order = self.strategy.broadcast(mine, src=0)
+        start = internals.resume_position(trainer) or 0
+        if 0 < start < len(loader) and self.resumed_from_local_steps:
+            raise ValueError(
+                f"This checkpoint was written mid-epoch (batch {start}) under balance='steps', whose epoch is split by"
+                " rounds, not by ddp's global batches: balance='batch' cannot tell which samples are left. Resume it"
+                " with balance='steps', or from a checkpoint written at an epoch's end."
+            )
+        self.resumed_from_local_steps = False
+        loader.start_epoch(trainer.current_epoch, order, start_batch=start)
+
+    # ------------------------------------------------------------------ each step
+
+    def start_batch(self, trainer: Trainer, batch_idx: int) -> None:
+        assert self.loader is not None
+        self._key = (trainer.current_epoch, batch_idx)
+        self._shares = self.loader.shares(*self._key)
+        self._samples += self._shares[self.strategy.global_rank]
+        self._batches += 1
+
+    def loss_weight(self) -> float:
+        return share_weight(self._shares, self.strategy.global_rank) if self._shares else 1.0
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Lightning's gradient accumulation: the backward inside does not end an optimizer step."""
+        blocked, self._blocked = self._blocked, True
+        try:
+            yield
+        finally:
+            self._blocked = blocked
+
+    def after_backward(self) -> None:
+        """A backward ended: unless it is inside an accumulation, the step's all-reduce."""
+        if self._blocked or self.ended:
+            return
+        module = self.strategy.lightning_module
+        if self._sync is None:
+            assert module is not None
+            self._sync = StepSync(module)
+        device = self.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the step's kernels are this rank's work, not the wait that follows
+        now = time.perf_counter()
+        world, rank = self.strategy.world_size, self.strategy.global_rank
+        measured = 0.0 if self._last_sync is None else max(now - self._last_sync - self._excluded, 0.0)
+        control = [0.0] * (2 * world)
+        if measured > 0 and self._batches > 0:
+            control[rank] = self._samples / self._batches
+            control[world + rank] = measured / self._batches
+        summed = self._sync.sync(control)
+        self._last_sync, self._excluded = time.perf_counter(), 0.0
+        self.steps.append(list(self._shares))
+        self._samples = self._batches = 0
+        self._observe([round(n) for n in summed[:world]], summed[world:])
+
+    def _observe(self, samples: list[int], seconds: list[float]) -> None:
+        assert self.balancer is not None and self.schedule is not None and self.loader is not None
+        proposed = self.balancer.observe(samples, seconds, self.schedule.latest)
+        if proposed is None:
+            return
+        trainer = self._trainer
+        per_step = internals.accumulation_at(trainer, trainer.current_epoch) if trainer is not None else 1
+        epoch, batch = self.loader.change_key(self._key, per_step)
+        self.schedule.change((epoch, batch), proposed)
+        self.changes.append((epoch, batch, list(proposed)))
+
+    def pause(self) -> None:
+        """Validation, an epoch's end or a checkpoint write: the step running across it is not measured."""
+        self._last_sync = None
+
+    def exclude(self, seconds: float) -> None:
+        """Time this rank spent inside a collective of the strategy (waiting for the others) since the last step."""
+        self._excluded += seconds
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"balance": "batch", "shares": None if self.schedule is None else list(self.schedule.latest)}
+
+
+class _BatchCallback(Callback):
+    """Tells the session which batch runs, and where the measuring must pause."""
+
+    def __init__(self, session: BatchBalanceSession) -> None:
+        self.session = session
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.session.start_batch(trainer, batch_idx)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.session.pause()
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.session.pause()
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.session.pause()
