@@ -14,6 +14,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +29,16 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from toy import ToyModule, blobs  # noqa: E402
 
-from lightning_oscars import HeterogeneityEmulator, OscarsStrategy  # noqa: E402
+from lightning_oscars import OscarsStrategy  # noqa: E402
 
 
 class RecordingModule(ToyModule):
     """The toy task, recording the samples each epoch trained; ``plain``: an MLP without BatchNorm (whose steps
     then depend only on the global batch, as ddp's)."""
 
-    def __init__(self, plain: bool, n: int, batch_size: int, step_cost: float) -> None:
+    def __init__(self, plain: bool, n: int, batch_size: int, step_cost: float, per_sample: float, slow: float) -> None:
         super().__init__(lr=0.05, step_cost=step_cost, n=n, batch_size=batch_size)
+        self.per_sample, self.slow = per_sample, slow
         if plain:
             self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
         self.trained: dict[int, list[float]] = {}
@@ -44,10 +46,10 @@ class RecordingModule(ToyModule):
     def training_step(self, batch, batch_idx):
         self.trained.setdefault(self.current_epoch, []).extend(batch[0][:, 0].tolist())
         x, y = batch
-        if self.step_cost:
-            import time
-
-            time.sleep(self.step_cost)
+        # A device whose step grows with the batch, rank 1 ``slow`` times slower (emulated in the step itself, so
+        # that no wait for another rank is counted as compute).
+        factor = self.slow if self.global_rank == 1 else 1.0
+        time.sleep((self.step_cost + self.per_sample * len(y)) * factor)
         loss = nn.functional.cross_entropy(self(x), y)
         self.seen += len(y)
         self.steps_taken += 1
@@ -68,12 +70,19 @@ def run_fit(spec: dict[str, Any], out: Path) -> None:
     name = spec["name"]
     target = out / name
     target.mkdir(parents=True, exist_ok=True)
-    module = RecordingModule(spec.get("model", "plain") == "plain", spec.get("n", 512), spec.get("batch_size", 16), spec.get("step_cost", 0.002))
+    module = RecordingModule(
+        plain=spec.get("model", "plain") == "plain",
+        n=spec.get("n", 512),
+        batch_size=spec.get("batch_size", 16),
+        step_cost=spec.get("step_cost", 0.002),
+        per_sample=spec.get("per_sample", 0.0002),
+        slow=float(spec.get("slow", 1)),
+    )
     callbacks: list[Any] = []
-    if spec.get("slow", 1) != 1:
-        callbacks.append(HeterogeneityEmulator({1: float(spec["slow"])}))
     if spec.get("save_every"):
-        callbacks.append(ModelCheckpoint(dirpath=target / "ckpt", every_n_train_steps=spec["save_every"], save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=target / "ckpt", every_n_train_steps=spec["save_every"], save_top_k=-1)
+        )
     trainer = L.Trainer(
         strategy=strategy_of(spec),
         accelerator="cpu",

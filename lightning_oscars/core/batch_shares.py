@@ -63,10 +63,13 @@ class BatchTimeModel:
         return cls(0.0, max(mean_y, 1e-12) / max(mean_x, 1e-12))
 
 
-def solve_shares(total: int, models: Sequence[BatchTimeModel], caps: Sequence[int] | None = None) -> list[int]:
+def solve_shares(
+    total: int, models: Sequence[BatchTimeModel], caps: Sequence[int] | None = None, floor: int = 1
+) -> list[int]:
     """Whole shares of a global batch of ``total`` samples, one per rank, summing to ``total``, each within its cap,
-    that minimise the slowest rank's predicted step time. A rank may get no sample only when ``total`` is smaller
-    than the world (every rank gets one otherwise: a rank with nothing to step on would skip ddp's all-reduce)."""
+    that minimise the slowest rank's predicted step time. Every rank gets at least ``floor`` samples while the batch
+    and the caps allow (a rank with nothing to step on would skip ddp's all-reduce; BatchNorm cannot train on one
+    sample), else one, else none (``total`` smaller than the world)."""
     world = len(models)
     caps = [total] * world if caps is None else [int(c) for c in caps]
     if len(caps) != world:
@@ -78,7 +81,7 @@ def solve_shares(total: int, models: Sequence[BatchTimeModel], caps: Sequence[in
             f"the ranks' batch size caps {caps} hold {sum(caps)} samples, fewer than the global batch of {total}:"
             " raise a cap or lower batch_size"
         )
-    floor = 1 if total >= world else 0
+    floor = max(1, min([floor, total // world, *caps])) if total >= world else 0
     shares = [floor] * world
     # Greedy by the time each next sample would end at: exact for times linear in the share (each step adds the
     # sample where the resulting slowest time grows least), O(total * log world).
@@ -92,14 +95,15 @@ def solve_shares(total: int, models: Sequence[BatchTimeModel], caps: Sequence[in
     return shares
 
 
-def split_last_batch(shares: Sequence[int], samples: int) -> list[int]:
+def split_last_batch(shares: Sequence[int], samples: int, floor: int = 1) -> list[int]:
     """The shares of a global batch cut short to ``samples`` (the epoch's remainder), in the full batch's
-    proportions (largest remainders), each rank keeping at least one sample while there are enough."""
+    proportions (largest remainders), each rank keeping at least ``floor`` samples while there are enough (else one,
+    else none)."""
     total = sum(shares)
     if samples >= total:
         return list(shares)
     world = len(shares)
-    floor = 1 if samples >= world else 0
+    floor = max(1, min([floor, samples // world, *shares])) if samples >= world else 0
     exact = [floor + (samples - floor * world) * s / total for s in shares]
     cut = [min(int(x), s) for x, s in zip(exact, shares)]
     while sum(cut) < samples:  # the samples left go where the cut falls furthest below its part, within the shares
@@ -211,6 +215,7 @@ class ShareBalancer:
         self.every = max(1, warmup_steps)
         self.min_gain, self.smoothing = min_gain, smoothing
         self.pinned = None if pinned is None else list(pinned)
+        self.floor = 2  # BatchNorm cannot train on one sample
         if self.pinned is not None and len(self.pinned) != world:
             raise ValueError(f"{len(self.pinned)} pinned step times for {world} ranks")
         self._seconds: list[dict[int, float]] = [{} for _ in range(world)]  # per rank: batch size -> moving average
@@ -223,7 +228,7 @@ class ShareBalancer:
             return solve_shares(
                 self.total, [BatchTimeModel(0.0, max(t, 1e-12) / batch) for t in self.pinned], self.caps
             )
-        return solve_shares(self.total, [BatchTimeModel(0.0, 1.0)] * self.world, self.caps)
+        return solve_shares(self.total, [BatchTimeModel(0.0, 1.0)] * self.world, self.caps, self.floor)
 
     def models(self) -> list[BatchTimeModel] | None:
         """Every rank's fitted time model (``None`` until every rank has a measure)."""
@@ -252,7 +257,7 @@ class ShareBalancer:
         models = self.models()
         if models is None:
             return None
-        proposed = solve_shares(self.total, models, self.caps)
+        proposed = solve_shares(self.total, models, self.caps, self.floor)
         now = max(m.time(n) for m, n in zip(models, current))
         then = max(m.time(n) for m, n in zip(models, proposed))
         return proposed if then < (1 - self.min_gain) * now else None

@@ -148,7 +148,7 @@ class ShareLoader:
         if size > self.schedule.total:  # a remainder smaller than the world joined this batch: one more each
             extra = size - self.schedule.total
             return [n + (1 if r < extra else 0) for r, n in enumerate(shares)]
-        return split_last_batch(shares, size)
+        return split_last_batch(shares, size, floor=2)
 
     def indices(self, epoch: int, batch: int) -> list[int]:
         """This rank's sample indices in global batch ``batch`` of ``epoch``."""

@@ -15,17 +15,28 @@ buffer:
 
 The buffer is in the widest floating dtype of the gradients (at least float32); gradients of lower precision are
 reduced in it and cast back.
+
+A rank's measured step must be its own work, not its wait for the slowest rank: :class:`WaitTimer` times every
+``torch.distributed`` collective the training thread makes while a fit runs (Lightning's per-batch SIGTERM
+broadcast, ``self.log(..., sync_dist=True)``, a loss that all-reduces inside the step), outermost calls only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import distributed_c10d
 
-__all__ = ["StepSync", "share_weight"]
+from lightning_oscars.dist.local_collectives import refused_collectives
+
+__all__ = ["StepSync", "WaitTimer", "share_weight"]
 
 
 def share_weight(shares: Sequence[int], rank: int) -> float:
@@ -79,3 +90,47 @@ class StepSync:
             else:
                 p.grad.copy_(mean)
         return flat[offset:].double().tolist()
+
+
+class WaitTimer:
+    """While entered, every ``torch.distributed`` collective called on the entering thread reports its seconds to
+    ``on_wait`` (a collective made inside another, as ``broadcast_object_list`` makes ``broadcast``, is counted once,
+    in the outer one). Other threads are untouched; the originals are put back on exit."""
+
+    def __init__(self, on_wait: Callable[[float], None]) -> None:
+        self.on_wait = on_wait
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._depth = 0
+        self._thread = 0
+
+    def _timed(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != self._thread or self._depth:
+                return original(*args, **kwargs)
+            self._depth += 1
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self.on_wait(time.perf_counter() - started)
+
+        call.__wrapped__ = original  # type: ignore[attr-defined]
+        return call
+
+    def __enter__(self) -> WaitTimer:
+        self._thread = threading.get_ident()
+        for owner in (dist, distributed_c10d):
+            for name in ("all_reduce", *refused_collectives()):
+                original = getattr(owner, name, None)
+                if original is not None:
+                    self._saved.append((owner, name, original))
+                    setattr(owner, name, self._timed(original))
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        while self._saved:
+            owner, name, original = self._saved.pop()
+            setattr(owner, name, original)

@@ -8,10 +8,10 @@ schedule and balancer) and the step's collective (``dist/batch_weighting.py``) t
 * before backward, the loss is scaled by the rank's share (:func:`~lightning_oscars.dist.batch_weighting.share_weight`);
   after the backward that ends an optimizer step (not inside Lightning's gradient accumulation), one all-reduce
   makes the mean gradient, spreads rank 0's buffers and carries each rank's measured step;
-* a rank's step is the time of its own work between two such all-reduces, less the time it spent in the
-  strategy's collectives (``self.log(..., sync_dist=True)`` waits for the slowest rank) and with validation, epoch
-  ends and checkpoint writes left out; the balancer re-solves the shares from those measures, and a change takes
-  effect a few batches ahead on every rank alike.
+* a rank's step is the time of its own work between two such all-reduces, less the time it spent in any other
+  collective (``WaitTimer``: Lightning's per-batch SIGTERM broadcast, ``self.log(..., sync_dist=True)`` wait for the
+  slowest rank) and with validation, epoch ends and checkpoint writes left out; the balancer re-solves the shares
+  from those measures, and a change takes effect a few batches ahead on every rank alike.
 
 Every rank runs the same batches and the same collectives, as under ddp, so Lightning's loops, hooks and
 collectives are left as they are: the session installs one callback (removed at its end) and patches nothing.
@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_oscars.core.batch_shares import BatchKey, ShareBalancer, ShareSchedule, resolve_batch_sizes
 from lightning_oscars.core.epoch_order import EpochOrder, training_set_size
 from lightning_oscars.core.share_loader import ShareLoader
-from lightning_oscars.dist.batch_weighting import StepSync, share_weight
+from lightning_oscars.dist.batch_weighting import StepSync, WaitTimer, share_weight
 from lightning_oscars.lightning import _internals as internals
 
 __all__ = ["BatchBalanceSession", "ShareChange"]
@@ -91,6 +91,8 @@ class BatchBalanceSession:
         self._blocked = False  # inside Lightning's gradient accumulation: no all-reduce after this backward
         self._last_sync: float | None = None  # when the last all-reduce returned (None: the next step is not measured)
         self._excluded = 0.0
+        self._wait_timer: WaitTimer | None = None
+        self._error: Exception | None = None
         self.ended = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -99,11 +101,16 @@ class BatchBalanceSession:
         self._trainer = trainer
         self._callback = _BatchCallback(self)
         trainer.callbacks.insert(0, self._callback)  # type: ignore[attr-defined]
+        self._wait_timer = WaitTimer(self.exclude)
+        self._wait_timer.__enter__()
 
     def end(self) -> None:
         if self.ended:
             return
         self.ended = True
+        if self._wait_timer is not None:
+            self._wait_timer.__exit__(None, None, None)
+            self._wait_timer = None
         if self._trainer is not None and self._callback is not None:
             mine = id(self._callback)
             self._trainer.callbacks = [cb for cb in self._trainer.callbacks if id(cb) != mine]  # type: ignore[attr-defined]
@@ -170,7 +177,8 @@ class BatchBalanceSession:
             order = self.strategy.broadcast(mine, src=0)
         start = internals.resume_position(trainer) or 0
         if 0 < start < len(loader) and self.resumed_from_local_steps:
-            raise ValueError(
+            # Raised at the first batch: Lightning makes this iterator where an error would be masked by its own.
+            self._error = ValueError(
                 f"This checkpoint was written mid-epoch (batch {start}) under balance='steps', whose epoch is split by"
                 " rounds, not by ddp's global batches: balance='batch' cannot tell which samples are left. Resume it"
                 " with balance='steps', or from a checkpoint written at an epoch's end."
@@ -181,6 +189,8 @@ class BatchBalanceSession:
     # ------------------------------------------------------------------ each step
 
     def start_batch(self, trainer: Trainer, batch_idx: int) -> None:
+        if self._error is not None:
+            raise self._error
         assert self.loader is not None
         self._key = (trainer.current_epoch, batch_idx)
         self._shares = self.loader.shares(*self._key)
@@ -239,7 +249,7 @@ class BatchBalanceSession:
         self._last_sync = None
 
     def exclude(self, seconds: float) -> None:
-        """Time this rank spent inside a collective of the strategy (waiting for the others) since the last step."""
+        """Time this rank spent inside a collective (waiting for the others) since the last step."""
         self._excluded += seconds
 
     # ------------------------------------------------------------------ checkpoints

@@ -2,15 +2,13 @@
 
 A mixin of ``OscarsStrategy`` (``strategy.py``): the fit's :class:`~lightning_oscars.lightning.batch_balance.
 BatchBalanceSession` is ``_batch`` (``None`` under local steps, where every hook here passes straight on). It scales
-the loss before backward and makes the step's all-reduce after it, marks Lightning's gradient accumulation, times the
-waits inside the strategy's collectives (left out of the rank's measured step), and keeps the shares in
-checkpoints under ``"oscars_batch"``: a checkpoint of a batch-balanced fit reads, to anything else, as ddp's.
+the loss before backward and makes the step's all-reduce after it, marks Lightning's gradient accumulation, and
+keeps the shares in checkpoints under ``"oscars_batch"``: to anything else, such a checkpoint reads as ddp's.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -93,36 +91,6 @@ class BatchBalanceHooks(DDPStrategy):
             return
         with session.accumulating():
             yield
-
-    @contextmanager
-    def _waiting(self) -> Iterator[None]:
-        """A collective of the strategy: its time is a wait for the other ranks, not this rank's step."""
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self._batch is not None:
-                self._batch.exclude(time.perf_counter() - started)
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        with self._waiting():
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        with self._waiting():
-            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        with self._waiting():
-            super().barrier(name)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with self._waiting():
-            return super().broadcast(obj, src)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
