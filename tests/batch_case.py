@@ -5,7 +5,7 @@ first feature, unique in the blobs), every step's shares, and the error if the f
 Usage: python tests/batch_case.py SPEC_JSON OUT_DIR, where SPEC is a list of fits, each a dict:
   name, strategy ("ddp" or OscarsStrategy options), model ("plain": no BatchNorm, or "bn"), n (samples), epochs,
   batch_size, slow (rank 1's slowdown, 1 = none), max_steps, save_every (steps between checkpoints, written under
-  OUT/NAME/ckpt), resume (the name of an earlier fit whose last checkpoint this one resumes from), accumulate.
+  OUT/NAME/ckpt; save_epoch: at every epoch's end), precision, resume (the name of an earlier fit whose last checkpoint this one resumes from), accumulate.
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ def run_fit(spec: dict[str, Any], out: Path) -> None:
         slow=float(spec.get("slow", 1)),
     )
     callbacks: list[Any] = []
+    if spec.get("save_epoch"):
+        callbacks.append(ModelCheckpoint(dirpath=target / "ckpt", every_n_epochs=1, save_top_k=-1))
     if spec.get("save_every"):
         callbacks.append(
             ModelCheckpoint(dirpath=target / "ckpt", every_n_train_steps=spec["save_every"], save_top_k=-1)
@@ -92,7 +94,8 @@ def run_fit(spec: dict[str, Any], out: Path) -> None:
         accumulate_grad_batches=spec.get("accumulate", 1),
         callbacks=callbacks,
         logger=False,
-        enable_checkpointing=bool(spec.get("save_every")),
+        enable_checkpointing=bool(spec.get("save_every") or spec.get("save_epoch")),
+        precision=spec.get("precision", "32-true"),
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(target),

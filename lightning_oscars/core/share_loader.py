@@ -80,6 +80,23 @@ class _ShareBatches:
             yield self.owner.indices(self.epoch, batch)
 
 
+class _LazyEpoch:
+    """An epoch's iterator that starts at its first batch: Lightning makes the first epoch's (and a resumed one's)
+    before its counters are final (a fit resumed at an epoch's end runs the next epoch on it)."""
+
+    def __init__(self, owner: ShareLoader) -> None:
+        self.owner = owner
+        self._inner: Iterator[Any] | None = None
+
+    def __iter__(self) -> _LazyEpoch:
+        return self
+
+    def __next__(self) -> Any:
+        if self._inner is None:
+            self._inner = self.owner.open_epoch()
+        return next(self._inner)
+
+
 class ShareLoader:
     """Wraps the user's training ``DataLoader`` for batch balancing; see the module docstring.
 
@@ -123,8 +140,8 @@ class ShareLoader:
         self._order: list[int] | None = None
         self._order_epoch = -1
         self._inner: Iterator[Any] | None = None
-        # Called as each epoch's iterator is made, to hand over the epoch (``start_epoch``): Lightning makes the first
-        # one before any epoch hook, once it has restored a checkpoint's counters (a mid-epoch resume's batch).
+        # Called as each epoch's first batch is fetched, to hand over the epoch (``start_epoch``): the epoch, and the
+        # batch a mid-epoch resume starts from, are final only then.
         self.before_epoch: Callable[[], None] | None = None
 
     def __len__(self) -> int:
@@ -165,6 +182,10 @@ class ShareLoader:
         return epoch, math.ceil(at / batches_per_step) * batches_per_step
 
     def __iter__(self) -> Iterator[Any]:
+        return _LazyEpoch(self)
+
+    def open_epoch(self) -> Iterator[Any]:
+        """The epoch's batches from its start batch (the epoch handed over by ``before_epoch`` first)."""
         if self.before_epoch is not None:
             self.before_epoch()
         start, self.start_batch = self.start_batch, 0

@@ -168,7 +168,7 @@ class BatchBalanceSession:
         return [str(n) for n in names]
 
     def _start_epoch(self, trainer: Trainer) -> None:
-        """Lightning makes an epoch's iterator: hand the loader the epoch, its order and where a resume starts."""
+        """An epoch's first batch is fetched: hand the loader the epoch, its order and where a resume starts."""
         loader = self.loader
         assert loader is not None
         order = None
@@ -177,7 +177,6 @@ class BatchBalanceSession:
             order = self.strategy.broadcast(mine, src=0)
         start = internals.resume_position(trainer) or 0
         if 0 < start < len(loader) and self.resumed_from_local_steps:
-            # Raised at the first batch: Lightning makes this iterator where an error would be masked by its own.
             self._error = ValueError(
                 f"This checkpoint was written mid-epoch (batch {start}) under balance='steps', whose epoch is split by"
                 " rounds, not by ddp's global batches: balance='batch' cannot tell which samples are left. Resume it"
