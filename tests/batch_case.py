@@ -5,7 +5,8 @@ first feature, unique in the blobs), every step's shares, and the error if the f
 Usage: python tests/batch_case.py SPEC_JSON OUT_DIR, where SPEC is a list of fits, each a dict:
   name, strategy ("ddp" or OscarsStrategy options), model ("plain": no BatchNorm, or "bn"), n (samples), epochs,
   batch_size, slow (rank 1's slowdown, 1 = none), max_steps, save_every (steps between checkpoints, written under
-  OUT/NAME/ckpt; save_epoch: at every epoch's end), precision, resume (the name of an earlier fit whose last checkpoint this one resumes from), accumulate.
+  OUT/NAME/ckpt; save_epoch: at every epoch's end), precision, resume (the name of an earlier fit whose last
+  checkpoint this one resumes from), accumulate.
 """
 
 from __future__ import annotations

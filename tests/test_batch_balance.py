@@ -40,7 +40,8 @@ def fits(tmp_path_factory) -> dict[str, list[dict]]:
     cmd = [sys.executable, str(ROOT / "tests" / "batch_case.py"), json.dumps(FITS), str(out)]
     code, log = run(cmd, TIMEOUT, env=clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20)))
     assert_clean_exit(code, log, TIMEOUT)
-    return {fit["name"]: [json.loads((out / fit["name"] / f"rank{r}.json").read_text()) for r in (0, 1)] for fit in FITS}
+    read = lambda name, r: json.loads((out / name / f"rank{r}.json").read_text())  # noqa: E731
+    return {fit["name"]: [read(fit["name"], r) for r in (0, 1)] for fit in FITS}
 
 
 def _largest_difference(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
@@ -112,7 +113,9 @@ def test_a_resume_keeps_the_balanced_shares(fits):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("first", "second"), [("steps_epoch", "batch_from_steps"), ("batch_epoch", "steps_from_batch")])
+@pytest.mark.parametrize(
+    ("first", "second"), [("steps_epoch", "batch_from_steps"), ("batch_epoch", "steps_from_batch")]
+)
 def test_a_fit_resumes_across_balances_from_an_epoch_end(fits, first, second):
     _no_error(fits[first], fits[second])
     assert sorted(int(e) for e in fits[second][0]["trained"]) == [1]  # epoch 0 was done: only epoch 1 runs

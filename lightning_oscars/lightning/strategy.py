@@ -169,26 +169,31 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
         check_ddp_wrapper_options(ddp_wrapper_kwargs, rank_zero_warn, DDP_WRAPPER_OPTIONS, replica_size != 1)
         DDPStrategy.__init__(
             self,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
+            accelerator,
+            parallel_devices,
+            cluster_environment,
+            checkpoint_io,
+            precision_plugin,
             timeout=timeout,
             start_method=start_method,
             process_group_backend=process_group_backend,
         )
         self._set_options({name: value for name, value in locals().items() if name in OPTION_NAMES})  # validated once
         self.make_scheme()  # a bad combination of options fails here, not at the first fit
-        self._session: FitSession | None = None  # the fit in progress (or a tuner's loop run inside it)
-        self._fit_session: FitSession | None = None  # the fit's own session while a tuner's loop run has its own
-        self._last_session: FitSession | None = None  # the last fit's, for its records
+        self._init_fit_state()
+        self._replica_wrapper_options = dict(ddp_wrapper_kwargs)  # what each replica's DDP wrapper gets
+
+    def _init_fit_state(self) -> None:
+        """The state fits keep on the strategy, before the first."""
+        # The fit in progress (or a tuner's loop run inside it), the fit's own while a tuner's loop run has its own,
+        # and the last fit's (for its records).
+        self._session: FitSession | None = None
+        self._fit_session: FitSession | None = None
+        self._last_session: FitSession | None = None
         self._noop_batch: Any = None
         self._in_local_step = self._checkpoint_written = False  # the latter: a checkpoint write's barrier is next
-        self._restored: dict[str, Any] | None = None
-        self._replica_wrapper_options = dict(ddp_wrapper_kwargs)  # what each replica's DDP wrapper gets
-        self._layout = ReplicaLayout(1)  # resolved once the ranks are known (setup_distributed)
-        self._replica_group: Any = None
+        self._restored: dict[str, Any] | None = None  # a loaded checkpoint's round state, for the next fit
+        self._layout, self._replica_group = ReplicaLayout(1), None  # resolved once the ranks are known
         self._recovery_point: RecoveryPoint | None = None  # found by setup_distributed, for the fit about to start
 
     @classmethod

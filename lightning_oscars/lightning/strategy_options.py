@@ -178,8 +178,7 @@ class OscarsOptions:
         policy = SchedulePolicy(
             o["solver"], **{arg: o[name] for name, arg in _POLICY_ARGS.items()}
         )  # raises naming a bad schedule option
-        self.balance, self.batch_sizes = o["balance"], o["batch_sizes"]
-        self.solver = o["solver"]
+        self.balance, self.batch_sizes, self.solver = o["balance"], o["batch_sizes"], o["solver"]
         self.averaging = o["averaging"]
         self.average_optimizer_state = bool(o["average_optimizer_state"])
         self.max_spread, self.max_local_steps, self.warmup_steps = (
