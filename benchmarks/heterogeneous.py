@@ -48,6 +48,7 @@ CONFIGS = {
     "ddp": ["--strategy", "ddp"],
     "local_sgd": ["--strategy", "local_sgd"],
     "oscars-exact-uniform": ["--strategy", "oscars", "--solver", "exact", "--averaging", "uniform"],
+    "oscars-batch": ["--strategy", "oscars", "--option", "balance=batch"],
     "oscars-exact-samples": ["--strategy", "oscars", "--solver", "exact", "--averaging", "samples"],
     "oscars-alg1-uniform": ["--strategy", "oscars", "--solver", "alg1", "--averaging", "uniform"],
     "oscars-alg1-samples": ["--strategy", "oscars", "--solver", "alg1", "--averaging", "samples"],
@@ -124,6 +125,13 @@ REGIMES = {
     "cpu": {"args": [], "epochs": 4},
     "gpu-like": {
         "args": ["--step-ms", "30", "--hidden", "128", "--n-train", "8192", "--val-check-interval", "0.5"],
+        "epochs": 2,
+    },
+    # a step whose time grows with its batch, as on a GPU: 5 ms + 1 ms per sample at 1x (69 ms for a batch of 64);
+    # the regime of balance="batch", which gives a fast rank a larger share of ddp's global batch
+    "gpu-like-batch": {
+        "args": ["--step-ms", "5", "--per-sample-ms", "1", "--hidden", "128", "--n-train", "8192"]
+        + ["--val-check-interval", "0.5"],
         "epochs": 2,
     },
     # the same with 16 MB of parameters (4M floats) that take no compute: a model whose all-reduce weighs, as a
@@ -303,7 +311,8 @@ def _profile_runs(a: argparse.Namespace, profile: str, names: list[str], epochs:
             runs[name].append(r)
             print(
                 f"{profile:12s} [{i + 1}/{a.repeats}] {name:22s} train {r['train_wall_s']:5.1f}s "
-                f"{r['samples_per_s']:6.0f} samples/s  val_acc {r['val_acc']:.4f}  tau {r['schedule']}",
+                f"{r['samples_per_s']:6.0f} samples/s  val_acc {r['val_acc']:.4f}  tau {r['schedule']}"
+                + (f"  shares {r['shares']['last']}" if r.get("shares") else ""),
                 flush=True,
             )
     return runs

@@ -25,6 +25,8 @@ def base_step_time(runs: list[dict]) -> float | None:
 
 def cluster_figures(run_: dict, base_s: float, batch_size: int = 64) -> dict:
     """Fraction of ideal and idle time of one run, from the ranks' own step accounting."""
+    if run_.get("per_sample_ms"):
+        return per_sample_figures(run_)
     wall = run_["train_wall_s"]
     busy, times = [], []
     for rank in run_["cluster"]:
@@ -42,6 +44,22 @@ def cluster_figures(run_: dict, base_s: float, batch_size: int = 64) -> dict:
     }
 
 
+def per_sample_figures(run_: dict) -> dict:
+    """A regime whose step time grows with the batch (``--per-sample-ms``): the ideal is a perfect split of every
+    global batch with free communication, ``sum_i B / t_i`` samples per second (``t_i``: rank ``i``'s device time for
+    a batch of ``B``; the same figure whether the ranks split the global batch or step on batches of ``B``), and the
+    fraction of ideal the samples per second over it. A rank's idle time: the wall less its device time."""
+    wall, batch = run_["train_wall_s"], run_["batch_size"]
+    times = [rank["start_factor"] * rank["solo_step_s"] for rank in run_["cluster"]]
+    ideal = sum(batch / t for t in times)
+    return {
+        "idle_s": [max(0.0, wall - rank["busy_s"]) for rank in run_["cluster"]],
+        "ideal_samples_per_s": ideal,
+        "fraction_of_ideal": run_["samples_per_s"] / ideal,
+        "changes_per_100_rounds": None,
+    }
+
+
 def time_to(curve: list, target: float) -> float | None:
     return next((t for t, _, acc in curve if acc >= target), None)
 
@@ -52,9 +70,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     target = statistics.median(r["val_acc"] for r in ddp) - 0.01 if ddp else None
     summary: dict = {"base_step_s": base_s, "target_acc": target, "configs": {}}
     for name, rs in runs.items():
+        figures = base_s is not None or all(r.get("per_sample_ms") for r in rs)
         for r in rs:
-            if base_s is not None:
-                r.update(cluster_figures(r, base_s))
+            if figures:
+                r.update(cluster_figures(r, base_s or 0.0))
             r["time_to_target_s"] = time_to(r["curve"], target) if target is not None else None
         reached = [r["time_to_target_s"] for r in rs if r["time_to_target_s"] is not None]
         s = {
@@ -64,6 +83,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "median_time_to_target_s": statistics.median(reached) if len(reached) == len(rs) else None,
             "walls": [round(r["train_wall_s"], 2) for r in rs],
             "schedule": rs[-1]["schedule"],
+            "shares": rs[-1].get("shares"),
             "runs": rs,
         }
         allreduce = [r["allreduce_s"] for r in rs if r.get("allreduce_s")]
@@ -71,7 +91,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         changes = [r["changes_per_100_rounds"] for r in rs if r.get("changes_per_100_rounds") is not None]
         s["median_changes_per_100_rounds"] = statistics.median(changes) if changes else None
         s["median_rounds"] = statistics.median(r["rounds"] for r in rs)
-        if base_s is not None:
+        if figures:
             s["median_fraction_of_ideal"] = statistics.median(r["fraction_of_ideal"] for r in rs)
             s["median_idle_s"] = [statistics.median(r["idle_s"][i] for r in rs) for i in range(len(rs[0]["idle_s"]))]
         summary["configs"][name] = s

@@ -100,10 +100,16 @@ class EmulatedDevice:
     noisy shared node). Shared by the Lightning module and the plain loops of ``benchmarks.peers``.
     """
 
-    def __init__(self, rank: int, slowdown: str = "", step_ms: float = 0.0, jitter: float = 0.0) -> None:
+    def __init__(
+        self, rank: int, slowdown: str = "", step_ms: float = 0.0, jitter: float = 0.0, per_sample_ms: float = 0.0
+    ) -> None:
         spec = parse_profile(slowdown).get(rank)
         self.profile = SlowdownProfile(spec) if spec else None
         self.sleep_s = step_ms / 1e3
+        # A step whose device time grows with its batch, as on a GPU: ``step_ms + per_sample_ms * samples`` of sleep.
+        self.per_sample_s = per_sample_ms / 1e3
+        self.batch_size = 0  # the batch the calibration timed (its sleep included in solo_step_s)
+        self.samples = 0  # samples this rank trained
         self.jitter = jitter
         self.solo_step_s = 0.0  # device time per step (compute + sleep_s), before any emulated slowdown
         self.real_steps = 0
@@ -125,22 +131,28 @@ class EmulatedDevice:
             loss.backward()
             opt.step()
             timings.append(time.perf_counter() - start)
-        self.solo_step_s = sorted(timings[2:])[len(timings[2:]) // 2] + self.sleep_s
+        self.batch_size = batch_size
+        self.solo_step_s = sorted(timings[2:])[len(timings[2:]) // 2] + self.sleep_s + self.per_sample_s * batch_size
 
     def factor_at(self, elapsed: float) -> float:
         return 1.0 if self.profile is None else self.profile.factor_at(elapsed)
 
-    def step(self, elapsed: float) -> None:
-        """Sleep what a step that started ``elapsed`` training seconds in adds on this device."""
+    def step(self, elapsed: float, samples: int | None = None) -> None:
+        """Sleep what a step of ``samples`` samples (default: the calibrated batch) that started ``elapsed`` training
+        seconds in adds on this device."""
         factor = self.factor_at(elapsed)
-        delay = self.sleep_s + (factor - 1.0) * self.solo_step_s
+        samples = self.batch_size if samples is None else samples
+        # The device time at this batch: the calibrated step's, its per-sample part scaled to this batch.
+        solo = self.solo_step_s + self.per_sample_s * (samples - self.batch_size)
+        delay = self.sleep_s + self.per_sample_s * samples + (factor - 1.0) * solo
         if self.jitter > 0.0:
             noise = math.exp(self._rng.gauss(0.0, self.jitter) - 0.5 * self.jitter**2)
-            delay = max(0.0, delay + (noise - 1.0) * factor * self.solo_step_s)
+            delay = max(0.0, delay + (noise - 1.0) * factor * solo)
         if delay > 0.0:
             time.sleep(delay)
         self.real_steps += 1
-        self.busy_s += factor * self.solo_step_s
+        self.samples += samples
+        self.busy_s += factor * solo
 
 
 class BenchModule(LightningModule):
@@ -157,6 +169,7 @@ class BenchModule(LightningModule):
         jitter: float = 0.0,
         ballast_mb: float = 0.0,
         task: str = "gaussian",
+        per_sample_ms: float = 0.0,
     ) -> None:
         super().__init__()
         if task not in ("gaussian", "digits"):
@@ -196,7 +209,7 @@ class BenchModule(LightningModule):
 
     def on_train_start(self) -> None:
         h = self.hparams
-        self.device_emulation = EmulatedDevice(self.global_rank, h.slowdown, h.step_ms, h.jitter)
+        self.device_emulation = EmulatedDevice(self.global_rank, h.slowdown, h.step_ms, h.jitter, h.per_sample_ms)
         sample = None if self.digits is None else self.digits[0].tensors
         if sample is not None:
             sample = (sample[0][: h.batch_size], sample[1][: h.batch_size])
@@ -208,7 +221,7 @@ class BenchModule(LightningModule):
         loss = nn.functional.cross_entropy(self(x), y)
         if self.ballast is not None:
             loss = loss + 0.0 * self.ballast.sum()
-        self.device_emulation.step(self.train_clock())
+        self.device_emulation.step(self.train_clock(), len(y))
         self.log("train_loss", loss, on_step=True, on_epoch=False)
         return loss
 
@@ -231,9 +244,9 @@ class BenchModule(LightningModule):
     def on_train_end(self) -> None:
         wall = self.train_clock()
         d = self.device_emulation
-        mine = torch.tensor([d.solo_step_s, d.factor_at(0.0), d.real_steps, d.busy_s, wall], dtype=torch.float64)
-        gathered = self.all_gather(mine).reshape(-1, 5)  # outside training_step: allowed under oscars too
-        keys = ("solo_step_s", "start_factor", "real_steps", "busy_s", "wall_s")
+        figures = [d.solo_step_s, d.factor_at(0.0), d.real_steps, d.busy_s, wall, d.samples]
+        gathered = self.all_gather(torch.tensor(figures, dtype=torch.float64)).reshape(-1, 6)  # outside a step
+        keys = ("solo_step_s", "start_factor", "real_steps", "busy_s", "wall_s", "samples")
         self.cluster = [dict(zip(keys, row.tolist())) for row in gathered]
 
     def configure_optimizers(self):

@@ -29,12 +29,13 @@ def summarize(model: BenchModule, history: list[dict], batch_size: int) -> dict:
     benchmarks.heterogeneous.cluster_figures, with one definition for every strategy."""
     cluster = model.cluster
     wall = max(r["wall_s"] for r in cluster)
-    samples = sum(r["real_steps"] for r in cluster) * batch_size
+    samples = int(sum(r["samples"] for r in cluster))  # every rank's own count (shares differ under balance="batch")
     return {
         "train_wall_s": wall,
         "samples": samples,
         "samples_per_s": samples / wall,
         "real_steps": [int(r["real_steps"]) for r in cluster],
+        "rank_samples": [int(r["samples"]) for r in cluster],
         "solo_step_ms": [1e3 * r["solo_step_s"] for r in cluster],
         "rounds": len(history),
         "schedule_changes": sum(1 for r in history if r["rebalanced"]),
@@ -89,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=2, help="ranks per node")
     p.add_argument("--num-nodes", type=int, default=1, help="nodes (started by a cluster launcher such as torchrun)")
     p.add_argument("--step-ms", type=float, default=0.0, help="GPU-like regime: sleep this long in every step")
+    p.add_argument("--per-sample-ms", type=float, default=0.0, help="GPU-like: and this long per sample")
     p.add_argument("--jitter", type=float, default=0.0, help="lognormal log-spread of every step's time")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--n-train", type=int, default=16384)
@@ -161,6 +163,10 @@ def _result(a: argparse.Namespace, trainer: L.Trainer, model: BenchModule, wall:
         "step_time_s": history[-1]["step_times"] if history else None,
         "allreduce_s": sorted(allreduce)[len(allreduce) // 2] if allreduce else None,
         "cluster": model.cluster,
+        "per_sample_ms": a.per_sample_ms,
+        "batch_size": model.hparams.batch_size,
+        # balance="batch": the shares of the last global batch, and how often they changed
+        "shares": _shares(s),
         "history": history,
         # the strategy's own end-of-fit figure, for comparison with the benchmark's (same definition)
         "monitor_fraction_of_ideal": run_fraction_of_ideal(s.history) if history else None,
@@ -172,6 +178,14 @@ def _result(a: argparse.Namespace, trainer: L.Trainer, model: BenchModule, wall:
     }
 
 
+def _shares(strategy: object) -> dict | None:
+    session = getattr(strategy, "batch_session", None)
+    if session is None:
+        return None
+    full = [step for step in session.steps if sum(step) == session.schedule.total] or session.steps
+    return {"last": full[-1] if full else None, "changes": len(session.changes) - 1}
+
+
 def main() -> None:
     _stacks_on_sigusr2()
     a = _parser().parse_args()
@@ -179,6 +193,7 @@ def main() -> None:
     model = BenchModule(
         slowdown=a.slowdown,
         step_ms=a.step_ms,
+        per_sample_ms=a.per_sample_ms,
         hidden=a.hidden,
         n_train=a.n_train,
         jitter=a.jitter,
