@@ -22,8 +22,7 @@ from pathlib import Path
 
 from benchmarks.heterogeneous import CONFIGS, PROFILES, plot, run, time_to
 
-DIGITS_ARGS = ["--task", "digits", "--step-ms", "30", "--batch-size", "32", "--lr", "0.05"]
-DIGITS_ARGS += ["--val-check-interval", "0.5"]
+DIGITS_ARGS = ["--task", "digits", "--batch-size", "32", "--lr", "0.05", "--val-check-interval", "0.5"]
 DEFAULT_CONFIGS = "ddp,oscars-exact-uniform,local_sgd,ssp-3"
 DEFAULT_PROFILES = "homogeneous,1x/3x,1x/1x/2x/4x"
 
@@ -101,7 +100,14 @@ def main() -> None:
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="digits")
+    p.add_argument("--step-ms", type=float, default=30.0, help="a 1x step's sleep")
+    p.add_argument("--per-sample-ms", type=float, default=0.0, help="and per sample (a step that grows with its batch)")
     a = p.parse_args()
+    args = (
+        DIGITS_ARGS
+        + ["--step-ms", str(a.step_ms)]
+        + (["--per-sample-ms", str(a.per_sample_ms)] if a.per_sample_ms else [])
+    )
     names = a.configs.split(",")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,7 +116,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {n: [] for n in names}
         for seed in range(a.seeds):
             for name in names:  # interleaved, so drifts of the machine hit every configuration alike
-                r = run(CONFIGS[name] + DIGITS_ARGS + ["--seed", str(seed)], a.epochs, PROFILES[profile])
+                r = run(CONFIGS[name] + args + ["--seed", str(seed)], a.epochs, PROFILES[profile])
                 runs[name].append(r)
                 print(
                     f"{profile:12s} seed {seed} {name:36s} train {r['train_wall_s']:5.1f}s"
@@ -121,12 +127,13 @@ def main() -> None:
         meta = {
             "epochs": a.epochs,
             "seeds": a.seeds,
-            "args": DIGITS_ARGS,
+            "args": args,
             "profiles": {k: PROFILES[k] for k in results},
         }
         (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "profiles": results}, indent=1))
     lines = [
-        f"scikit-learn digits, small CNN, GPU-like regime (30 ms per 1x step), {a.epochs} epochs, {a.seeds} seeds"
+        f"scikit-learn digits, small CNN, GPU-like regime ({a.step_ms:g} ms + {a.per_sample_ms:g} ms per sample per 1x"
+        f" step), {a.epochs} epochs, {a.seeds} seeds"
         " (mean ± sd), configurations interleaved.",
         "",
     ]

@@ -6,7 +6,7 @@ Usage: python tests/batch_case.py SPEC_JSON OUT_DIR, where SPEC is a list of fit
   name, strategy ("ddp" or OscarsStrategy options), model ("plain": no BatchNorm, or "bn"), n (samples), epochs,
   batch_size, slow (rank 1's slowdown, 1 = none), max_steps, save_every (steps between checkpoints, written under
   OUT/NAME/ckpt; save_epoch: at every epoch's end), precision, resume (the name of an earlier fit whose last
-  checkpoint this one resumes from), accumulate.
+  checkpoint this one resumes from), accumulate, validate (twice per epoch, metrics logged with sync_dist).
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ class RecordingModule(ToyModule):
         if plain:
             self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
         self.trained: dict[int, list[float]] = {}
+        self.validations = 0
+
+    def on_validation_end(self) -> None:
+        self.validations += 1
 
     def training_step(self, batch, batch_idx):
         self.trained.setdefault(self.current_epoch, []).extend(batch[0][:, 0].tolist())
@@ -100,7 +104,9 @@ def run_fit(spec: dict[str, Any], out: Path) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(target),
-        limit_val_batches=0,
+        limit_val_batches=1.0 if spec.get("validate") else 0,
+        val_check_interval=0.5 if spec.get("validate") else 1.0,
+        num_sanity_val_steps=0,
     )
     ckpt = None
     if spec.get("resume"):
@@ -122,6 +128,8 @@ def run_fit(spec: dict[str, Any], out: Path) -> None:
         changes=[] if session is None else session.changes,
         caps=None if session is None else session.caps,
         global_step=trainer.global_step,
+        val_loss=float(trainer.callback_metrics.get("val_loss", float("nan"))),
+        validations=module.validations,
     )
     (target / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

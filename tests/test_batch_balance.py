@@ -18,7 +18,7 @@ FITS = [
     {"name": "batch", "strategy": BATCH, "slow": 3},
     {"name": "ddp_accumulated", "strategy": "ddp", "accumulate": 3},
     {"name": "batch_accumulated", "strategy": BATCH, "slow": 3, "accumulate": 3},
-    {"name": "batchnorm", "strategy": BATCH, "model": "bn", "n": 500, "slow": 3, "epochs": 3},
+    {"name": "batchnorm", "strategy": BATCH, "model": "bn", "n": 500, "slow": 3, "epochs": 3, "validate": True},
     {"name": "bf16", "strategy": BATCH, "model": "bn", "n": 500, "slow": 3, "precision": "bf16-mixed"},
     {"name": "caps", "strategy": {**BATCH, "batch_sizes": [18, 16]}, "model": "bn", "n": 500, "slow": 3},
     {"name": "ddp_save", "strategy": "ddp", "max_steps": 5, "save_every": 5, "epochs": 1},
@@ -128,3 +128,10 @@ def test_a_mid_epoch_checkpoint_of_local_steps_is_refused_by_batch_balance_namin
     for rank in fits["batch_from_steps_mid_epoch"]:
         assert "written mid-epoch (batch 6) under balance='steps'" in rank["error"]
         assert rank["trained"] == {}  # refused before any step
+
+
+@pytest.mark.multiprocess
+def test_validation_runs_where_ddps_does_and_every_rank_agrees_on_its_metrics(fits):
+    fast, slow = fits["batchnorm"]
+    assert fast["validations"] == slow["validations"] == 6  # twice per epoch, 3 epochs
+    assert fast["val_loss"] == slow["val_loss"] and fast["val_loss"] == fast["val_loss"]  # agreed, not NaN
