@@ -6,11 +6,13 @@ Usage: python tests/batch_case.py SPEC_JSON OUT_DIR, where SPEC is a list of fit
   name, strategy ("ddp" or OscarsStrategy options), model ("plain": no BatchNorm, or "bn"), n (samples), epochs,
   batch_size, slow (rank 1's slowdown, 1 = none), max_steps, save_every (steps between checkpoints, written under
   OUT/NAME/ckpt; save_epoch: at every epoch's end), precision, resume (the name of an earlier fit whose last
-  checkpoint this one resumes from), accumulate, validate (twice per epoch, metrics logged with sync_dist).
+  checkpoint this one resumes from), accumulate, validate (twice per epoch, metrics logged with sync_dist), csv
+  (a CSVLogger).
 """
 
 from __future__ import annotations
 
+import csv
 import faulthandler
 import json
 import os
@@ -26,6 +28,7 @@ torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from toy import ToyModule, blobs  # noqa: E402
@@ -98,7 +101,7 @@ def run_fit(spec: dict[str, Any], out: Path) -> None:
         max_steps=spec.get("max_steps", -1),
         accumulate_grad_batches=spec.get("accumulate", 1),
         callbacks=callbacks,
-        logger=False,
+        logger=CSVLogger(target, name="csv") if spec.get("csv") else False,
         enable_checkpointing=bool(spec.get("save_every") or spec.get("save_epoch")),
         precision=spec.get("precision", "32-true"),
         enable_progress_bar=False,
@@ -131,6 +134,11 @@ def run_fit(spec: dict[str, Any], out: Path) -> None:
         val_loss=float(trainer.callback_metrics.get("val_loss", float("nan"))),
         validations=module.validations,
     )
+    if spec.get("csv") and trainer.global_rank == 0:  # the shares the session logged, as the logger wrote them
+        rows = list(csv.DictReader(open(next(target.glob("csv/*/metrics.csv")))))
+        result["logged_shares"] = [
+            [float(row[f"oscars/share_rank{r}"]) for r in (0, 1)] for row in rows if row.get("oscars/share_rank0")
+        ]
     (target / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

@@ -18,7 +18,16 @@ FITS = [
     {"name": "batch", "strategy": BATCH, "slow": 3},
     {"name": "ddp_accumulated", "strategy": "ddp", "accumulate": 3},
     {"name": "batch_accumulated", "strategy": BATCH, "slow": 3, "accumulate": 3},
-    {"name": "batchnorm", "strategy": BATCH, "model": "bn", "n": 500, "slow": 3, "epochs": 3, "validate": True},
+    {
+        "name": "batchnorm",
+        "strategy": BATCH,
+        "model": "bn",
+        "n": 500,
+        "slow": 3,
+        "epochs": 3,
+        "validate": True,
+        "csv": True,
+    },
     {"name": "bf16", "strategy": BATCH, "model": "bn", "n": 500, "slow": 3, "precision": "bf16-mixed"},
     {"name": "caps", "strategy": {**BATCH, "batch_sizes": [18, 16]}, "model": "bn", "n": 500, "slow": 3},
     {"name": "ddp_save", "strategy": "ddp", "max_steps": 5, "save_every": 5, "epochs": 1},
@@ -135,3 +144,9 @@ def test_validation_runs_where_ddps_does_and_every_rank_agrees_on_its_metrics(fi
     fast, slow = fits["batchnorm"]
     assert fast["validations"] == slow["validations"] == 6  # twice per epoch, 3 epochs
     assert fast["val_loss"] == slow["val_loss"] and fast["val_loss"] == fast["val_loss"]  # agreed, not NaN
+
+
+@pytest.mark.multiprocess
+def test_every_change_of_the_shares_is_logged_to_the_trainers_loggers(fits):
+    fast, _ = fits["batchnorm"]
+    assert fast["logged_shares"] == [[float(n) for n in shares] for _, _, shares in fast["changes"]]

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -67,6 +68,7 @@ class BatchBalanceSession:
         seed: int | None = None,
         restored: dict[str, Any] | None = None,
         resumed_from_local_steps: bool = False,
+        monitor: bool = True,
     ) -> None:
         self.strategy = strategy
         self.batch_sizes = batch_sizes
@@ -75,6 +77,8 @@ class BatchBalanceSession:
         self.seed = seed
         self.restored = restored
         self.resumed_from_local_steps = resumed_from_local_steps
+        self.monitor = monitor
+        self._logged: list[int] = []
         self.loader: ShareLoader | None = None
         self.schedule: ShareSchedule | None = None
         self.balancer: ShareBalancer | None = None
@@ -193,6 +197,11 @@ class BatchBalanceSession:
         assert self.loader is not None
         self._key = (trainer.current_epoch, batch_idx)
         self._shares = self.loader.shares(*self._key)
+        if self.monitor and self._shares != self._logged and sum(self._shares) == self.loader.schedule.total:
+            self._logged = list(self._shares)
+            metrics = {f"oscars/share_rank{r}": float(n) for r, n in enumerate(self._shares)}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
         self._samples += self._shares[self.strategy.global_rank]
         self._batches += 1
 
@@ -243,6 +252,15 @@ class BatchBalanceSession:
         self.schedule.change((epoch, batch), proposed)
         self.changes.append((epoch, batch, list(proposed)))
 
+    def report(self) -> None:
+        """The end of fit's summary (rank 0): the shares and how they moved."""
+        if self.monitor and self.schedule is not None:
+            moves = ", ".join(f"{shares} from epoch {e} batch {b}" for e, b, shares in self.changes[1:]) or "none"
+            rank_zero_info(
+                f"oscars (balance='batch'): {len(self.steps)} steps over global batches of {self.schedule.total};"
+                f" first shares {self.changes[0][2]}, changes: {moves}"
+            )
+
     def pause(self) -> None:
         """Validation, an epoch's end or a checkpoint write: the step running across it is not measured."""
         self._last_sync = None
@@ -266,6 +284,10 @@ class _BatchCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.session.start_batch(trainer, batch_idx)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.session.report()
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -55,6 +55,7 @@ class BatchBalanceHooks(DDPStrategy):
             seed=options.seed,
             restored=restored,
             resumed_from_local_steps=resumed_from_local_steps,
+            monitor=options.monitor,
         )
         self._batch.begin(trainer)
 
