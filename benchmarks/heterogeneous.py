@@ -49,6 +49,11 @@ CONFIGS = {
     "local_sgd": ["--strategy", "local_sgd"],
     "oscars-exact-uniform": ["--strategy", "oscars", "--solver", "exact", "--averaging", "uniform"],
     "oscars-batch": ["--strategy", "oscars", "--option", "balance=batch"],
+    # memory caps 2:1 on 2 ranks (the per-rank batch sizes of issue 44): ddp at the smaller rank's batch, and batch
+    # balancing whose global batch uses both ranks' memory (caps 64 and 32, 48 per rank on average)
+    "ddp-b32": ["--strategy", "ddp", "--batch-size", "32"],
+    "oscars-batch-caps-64-32": ["--strategy", "oscars", "--option", "balance=batch"]
+    + ["--option", "batch_sizes=[64,32]", "--batch-size", "48"],
     "oscars-exact-samples": ["--strategy", "oscars", "--solver", "exact", "--averaging", "samples"],
     "oscars-alg1-uniform": ["--strategy", "oscars", "--solver", "alg1", "--averaging", "uniform"],
     "oscars-alg1-samples": ["--strategy", "oscars", "--solver", "alg1", "--averaging", "samples"],
@@ -131,6 +136,12 @@ REGIMES = {
     # the regime of balance="batch", which gives a fast rank a larger share of ddp's global batch
     "gpu-like-batch": {
         "args": ["--step-ms", "5", "--per-sample-ms", "1", "--hidden", "128", "--n-train", "8192"]
+        + ["--val-check-interval", "0.5"],
+        "epochs": 2,
+    },
+    # a step with a large fixed part (a GPU that small batches leave under-used): 20 ms + 0.25 ms per sample at 1x
+    "gpu-like-fixed": {
+        "args": ["--step-ms", "20", "--per-sample-ms", "0.25", "--hidden", "128", "--n-train", "8192"]
         + ["--val-check-interval", "0.5"],
         "epochs": 2,
     },
