@@ -41,9 +41,11 @@ from lightning_oscars.core.warmup import WarmupGate
 
 __all__ = [
     "EpochOrder",
+    "EpochSampler",
     "LoadBalancedLoader",
     "SlotInfo",
     "empty_batch",
+    "inner_loader_kwargs",
     "training_set_size",
 ]  # EpochOrder: see epoch_order.py
 
@@ -60,6 +62,16 @@ _CARRIED = (
     "pin_memory_device",
     "in_order",
 )
+
+
+def inner_loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
+    """What an inner ``DataLoader`` over the user's dataset takes from the user's loader (collate function, workers,
+    pinning, ...); the worker-only arguments only when it has workers."""
+    kwargs = {k: getattr(dataloader, k) for k in _CARRIED if hasattr(dataloader, k)}
+    if kwargs.get("num_workers", 0) == 0:
+        for key in ("prefetch_factor", "persistent_workers", "timeout"):
+            kwargs.pop(key, None)
+    return kwargs
 
 
 def empty_batch(batch: Any) -> Any:
@@ -80,7 +92,7 @@ class _IndexLists:
         return len(self.batches)
 
 
-class _EpochSampler:
+class EpochSampler:
     """Holds the epoch number for Lightning's ``set_epoch`` call."""
 
     def __init__(self) -> None:
@@ -139,11 +151,8 @@ class LoadBalancedLoader:
         self.world_size = world_size
         self.batches_per_slot = 1
         self.set_batches_per_slot(batches_per_slot)
-        self.sampler = _EpochSampler()
-        loader_kwargs = {k: getattr(dataloader, k) for k in _CARRIED if hasattr(dataloader, k)}
-        if loader_kwargs.get("num_workers", 0) == 0:
-            for key in ("prefetch_factor", "persistent_workers", "timeout"):
-                loader_kwargs.pop(key, None)
+        self.sampler = EpochSampler()
+        loader_kwargs = inner_loader_kwargs(dataloader)
         self._loader_kwargs = loader_kwargs
         self.uses_workers = loader_kwargs.get("num_workers", 0) > 0
         self._feed = _IndexLists()

@@ -24,21 +24,9 @@ from torch.utils.data import DataLoader
 
 from lightning_oscars.core.batch_shares import BatchKey, ShareSchedule, share_span, split_last_batch
 from lightning_oscars.core.epoch_order import EpochOrder
+from lightning_oscars.core.loader import EpochSampler, inner_loader_kwargs
 
 __all__ = ["ShareLoader", "epoch_batches"]
-
-_CARRIED = (
-    "num_workers",
-    "collate_fn",
-    "pin_memory",
-    "timeout",
-    "worker_init_fn",
-    "multiprocessing_context",
-    "prefetch_factor",
-    "persistent_workers",
-    "pin_memory_device",
-    "in_order",
-)
 
 
 def epoch_batches(samples: int, total: int, world: int, drop_last: bool) -> list[tuple[int, int]]:
@@ -54,16 +42,6 @@ def epoch_batches(samples: int, total: int, world: int, drop_last: bool) -> list
         else:
             batches.append((full * total, rest))
     return batches
-
-
-class _EpochSampler:
-    """Holds the epoch number for Lightning's ``set_epoch`` call."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
 
 
 class _ShareBatches:
@@ -126,15 +104,12 @@ class ShareLoader:
                 f"The training set has {order.num_samples} samples, fewer than one global batch of {schedule.total}"
                 f" ({self.batch_size} per rank on {world_size} ranks) with drop_last=True: nothing to train."
             )
-        kwargs = {k: getattr(dataloader, k) for k in _CARRIED if hasattr(dataloader, k)}
+        kwargs = inner_loader_kwargs(dataloader)
         workers = kwargs.get("num_workers", 0)
-        if workers == 0:
-            for key in ("prefetch_factor", "persistent_workers", "timeout"):
-                kwargs.pop(key, None)
         self._loader_kwargs = kwargs
         # Batches fetched ahead of the one running: the inner loader's workers' queue and Lightning's fetcher's one.
         self.lag = 2 + (workers * (kwargs.get("prefetch_factor") or 2) if workers else 0)
-        self.sampler = _EpochSampler()
+        self.sampler = EpochSampler()
         self.epoch = 0
         self.start_batch = 0  # set when Lightning resumes mid-epoch
         self._order: list[int] | None = None

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import distributed_c10d
 
-from lightning_oscars.dist.local_collectives import refused_collectives
+from lightning_oscars.dist.local_collectives import put_back, refused_collectives
 
 __all__ = ["StepSync", "WaitTimer", "share_weight"]
 
@@ -131,6 +131,4 @@ class WaitTimer:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        while self._saved:
-            owner, name, original = self._saved.pop()
-            setattr(owner, name, original)
+        put_back(self._saved)

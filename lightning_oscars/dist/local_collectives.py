@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import distributed_c10d
 
-__all__ = ["LocalWorld", "gather_ragged", "refused_collectives"]
+__all__ = ["LocalWorld", "gather_ragged", "put_back", "refused_collectives"]
 
 _REFUSED = (
     "all_gather",
@@ -132,9 +132,14 @@ class LocalWorld:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        while self._saved:
-            owner, name, original = self._saved.pop()
-            setattr(owner, name, original)
+        put_back(self._saved)
+
+
+def put_back(saved: list[tuple[Any, str, Any]]) -> None:
+    """Restore ``(owner, name, original)`` replacements, newest first, emptying ``saved``."""
+    while saved:
+        owner, name, original = saved.pop()
+        setattr(owner, name, original)
 
 
 def gather_ragged(tensors: list[Tensor], group: Any = None) -> list[Tensor]:
