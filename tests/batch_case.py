@@ -128,6 +128,7 @@ def run_fit(spec: dict[str, Any], out: Path) -> None:
         trained={str(e): rows for e, rows in module.trained.items()},
         dataset_rows=blobs(module.n).tensors[0][:, 0].tolist(),
         steps=[] if session is None else session.steps,
+        step_runs=[] if session is None else session.step_runs,
         changes=[] if session is None else session.changes,
         caps=None if session is None else session.caps,
         global_step=trainer.global_step,

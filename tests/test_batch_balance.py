@@ -150,3 +150,11 @@ def test_validation_runs_where_ddps_does_and_every_rank_agrees_on_its_metrics(fi
 def test_every_change_of_the_shares_is_logged_to_the_trainers_loggers(fits):
     fast, _ = fits["batchnorm"]
     assert fast["logged_shares"] == [[float(n) for n in shares] for _, _, shares in fast["changes"]]
+
+
+@pytest.mark.multiprocess
+def test_a_fit_keeps_its_shares_run_length_encoded(fits):
+    fast, _ = fits["batchnorm"]
+    # One entry per split: each change, and each of the 3 epochs' short last batch with the run resuming after it.
+    assert len(fast["step_runs"]) <= len(fast["changes"]) + 2 * 3
+    assert sum(n for _, n in fast["step_runs"]) == len(fast["steps"]) == fast["global_step"]

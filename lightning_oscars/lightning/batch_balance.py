@@ -84,7 +84,8 @@ class BatchBalanceSession:
         self.balancer: ShareBalancer | None = None
         self.caps: list[int] | None = None
         self.changes: list[ShareChange] = []  # every change of the shares in this fit, as agreed
-        self.steps: list[list[int]] = []  # every optimizer step's shares (a test's and a benchmark's record)
+        # Every optimizer step's shares, run-length encoded ([shares, steps] pairs): a long fit keeps a few entries.
+        self.step_runs: list[tuple[list[int], int]] = []
         self._trainer: Trainer | None = None
         self._callback: _BatchCallback | None = None
         self._sync: StepSync | None = None
@@ -121,6 +122,11 @@ class BatchBalanceSession:
         self._trainer, self._callback, self._sync = None, None, None
         if self.loader is not None:
             self.loader.close()
+
+    @property
+    def steps(self) -> list[list[int]]:
+        """Every optimizer step's shares, in order (expanded from :attr:`step_runs`)."""
+        return [list(shares) for shares, count in self.step_runs for _ in range(count)]
 
     def fitting(self, trainer: Trainer | None) -> bool:
         return not self.ended and trainer is not None and trainer is self._trainer
@@ -237,7 +243,10 @@ class BatchBalanceSession:
             control[world + rank] = measured / self._batches
         summed = self._sync.sync(control)
         self._last_sync, self._excluded = time.perf_counter(), 0.0
-        self.steps.append(list(self._shares))
+        if self.step_runs and self.step_runs[-1][0] == self._shares:
+            self.step_runs[-1] = (self.step_runs[-1][0], self.step_runs[-1][1] + 1)
+        else:
+            self.step_runs.append((list(self._shares), 1))
         self._samples = self._batches = 0
         self._observe([round(n) for n in summed[:world]], summed[world:])
 
@@ -256,8 +265,9 @@ class BatchBalanceSession:
         """The end of fit's summary (rank 0): the shares and how they moved."""
         if self.monitor and self.schedule is not None:
             moves = ", ".join(f"{shares} from epoch {e} batch {b}" for e, b, shares in self.changes[1:]) or "none"
+            steps = sum(n for _, n in self.step_runs)
             rank_zero_info(
-                f"oscars (balance='batch'): {len(self.steps)} steps over global batches of {self.schedule.total};"
+                f"oscars (balance='batch'): {steps} steps over global batches of {self.schedule.total};"
                 f" first shares {self.changes[0][2]}, changes: {moves}"
             )
 
