@@ -1,6 +1,7 @@
 """Fits under ``balance="batch"`` (and ddp, and local steps, to compare with), on 2 ranks through Lightning's
 launcher. Each rank writes what a test compares: its whole state, the samples it trained in each epoch (by their
-first feature, unique in the blobs), every step's shares, and the error if the fit raised.
+first feature, unique in the blobs), the size of every batch it trained, every step's shares, and the error if the fit
+raised.
 
 Usage: python tests/batch_case.py SPEC_JSON OUT_DIR, where SPEC is a list of fits, each a dict:
   name, strategy ("ddp" or OscarsStrategy options), model ("plain": no BatchNorm, or "bn"), n (samples), epochs,
@@ -46,6 +47,7 @@ class RecordingModule(ToyModule):
         if plain:
             self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
         self.trained: dict[int, list[float]] = {}
+        self.lengths: list[int] = []  # every real batch's size
         self.validations = 0
 
     def on_validation_end(self) -> None:
@@ -54,6 +56,8 @@ class RecordingModule(ToyModule):
     def training_step(self, batch, batch_idx):
         self.trained.setdefault(self.current_epoch, []).extend(batch[0][:, 0].tolist())
         x, y = batch
+        if len(y):
+            self.lengths.append(len(y))
         # A device whose step grows with the batch, rank 1 ``slow`` times slower (emulated in the step itself, so
         # that no wait for another rank is counted as compute).
         factor = self.slow if self.global_rank == 1 else 1.0
@@ -126,6 +130,7 @@ def run_fit(spec: dict[str, Any], out: Path) -> None:
         rank=trainer.global_rank,
         state={k: v.detach().double().reshape(-1).tolist() for k, v in module.state_dict().items()},
         trained={str(e): rows for e, rows in module.trained.items()},
+        lengths=module.lengths,
         dataset_rows=blobs(module.n).tensors[0][:, 0].tolist(),
         steps=[] if session is None else session.steps,
         step_runs=[] if session is None else session.step_runs,

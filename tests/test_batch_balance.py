@@ -1,7 +1,8 @@
-"""``balance="batch"`` on 2 ranks through Lightning's launcher (gloo), rank 1 three times slower in every step (its
-step time ``(2 ms + 0.2 ms per sample) x 3``, so that its share should shrink to about a tenth of the global batch).
-One launch runs every fit in turn (``tests/batch_case.py``): ddp's, batch-balanced ones, and checkpoints resumed from
-ddp, from batch balancing and across balances. Each test reads what the ranks wrote."""
+"""``balance="batch"``, and per-rank batch sizes under both balances, on 2 ranks through Lightning's launcher (gloo),
+rank 1 three times slower in every step (its step time ``(2 ms + 0.2 ms per sample) x 3``, so that its share should
+shrink to about a tenth of the global batch). One launch runs every fit in turn (``tests/batch_case.py``): ddp's,
+batch-balanced ones, local steps with a batch size per rank, and checkpoints resumed from ddp, from batch balancing and
+across balances. Each test reads what the ranks wrote."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from subproc import ROOT, assert_clean_exit, clean_env, run
 
 TIMEOUT = 300
 BATCH = {"balance": "batch", "warmup_steps": 2}
+SIZES = {"warmup_steps": 2, "batch_sizes": [32, 16]}  # local steps, the fast rank on twice the batch
 FITS = [
     {"name": "ddp", "strategy": "ddp"},
     {"name": "batch", "strategy": BATCH, "slow": 3},
@@ -40,6 +42,18 @@ FITS = [
     {"name": "batch_from_steps", "strategy": BATCH, "slow": 3, "epochs": 2, "resume": "steps_epoch"},
     {"name": "batch_epoch", "strategy": BATCH, "slow": 3, "epochs": 1, "save_epoch": True},
     {"name": "steps_from_batch", "strategy": {"warmup_steps": 2}, "slow": 3, "epochs": 2, "resume": "batch_epoch"},
+    {"name": "steps_sizes", "strategy": SIZES, "slow": 3},
+    {
+        "name": "steps_sizes_bn",
+        "strategy": {"warmup_steps": 2, "batch_sizes": [24, 16]},
+        "model": "bn",
+        "n": 500,
+        "slow": 3,
+        "accumulate": 2,
+        "validate": True,
+    },
+    {"name": "steps_sizes_save", "strategy": SIZES, "slow": 3, "max_steps": 6, "save_every": 6, "epochs": 1},
+    {"name": "steps_sizes_resume", "strategy": SIZES, "slow": 3, "epochs": 1, "resume": "steps_sizes_save"},
 ]
 
 
@@ -80,7 +94,7 @@ def test_batch_balance_trains_to_ddps_weights_with_unequal_shares(fits, ddp, bat
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["batch", "batch_accumulated", "batchnorm", "bf16", "caps"])
+@pytest.mark.parametrize("name", ["batch", "batch_accumulated", "batchnorm", "bf16", "caps", "steps_sizes", "steps_sizes_bn"])
 def test_every_sample_is_trained_once_per_epoch_and_every_rank_ends_identical(fits, name):
     _no_error(fits[name])
     fast, slow = fits[name]
@@ -107,7 +121,10 @@ def test_memory_caps_bound_every_share(fits):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("first", "second"), [("ddp_save", "batch_from_ddp"), ("batch_save", "batch_from_batch")])
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("ddp_save", "batch_from_ddp"), ("batch_save", "batch_from_batch"), ("steps_sizes_save", "steps_sizes_resume")],
+)
 def test_a_mid_epoch_resume_trains_the_rest_of_the_epoch_once(fits, first, second):
     _no_error(fits[first], fits[second])
     before, after = _trained(fits[first], 0), _trained(fits[second], 0)
@@ -158,3 +175,19 @@ def test_a_fit_keeps_its_shares_run_length_encoded(fits):
     # One entry per split: each change, and each of the 3 epochs' short last batch with the run resuming after it.
     assert len(fast["step_runs"]) <= len(fast["changes"]) + 2 * 3
     assert sum(n for _, n in fast["step_runs"]) == len(fast["steps"]) == fast["global_step"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("name", "sizes"), [("steps_sizes", [32, 16]), ("steps_sizes_bn", [24, 16])])
+def test_under_local_steps_each_rank_trains_its_own_batch_size_and_the_fast_rank_more_samples(fits, name, sizes):
+    _no_error(fits[name])
+    for rank, size in zip(fits[name], sizes):
+        lengths = rank["lengths"]
+        assert max(lengths) == size
+        # Only the epoch's last steps (the units left, or the sample remainder) may hold less than a whole batch: at
+        # most a step of 2 micro-batches and the remainder per epoch (2 epochs).
+        assert sum(n != size for n in lengths) <= 2 * 3, lengths
+    fast, slow = (sum(rank["lengths"]) for rank in fits[name])
+    # Rank 0: 2 ms + 0.2 ms x 32 = 8.4 ms per step; rank 1: (2 + 0.2 x 16) x 3 = 15.6 ms: balanced rounds give rank 0
+    # about 1.9x the steps of twice the batch (3.7x the samples); equal steps would give it 2x.
+    assert fast >= 2.5 * slow, (fast, slow)

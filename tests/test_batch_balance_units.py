@@ -137,7 +137,9 @@ def test_the_wait_timer_times_collectives_of_its_thread_once(gloo):  # noqa: F81
     ("options", "message"),
     [
         ({"balance": "bytes"}, "balance must be 'steps' or 'batch'"),
-        ({"batch_sizes": [16, 8]}, "batch_sizes .* balance='batch' only"),
+        ({"batch_sizes": [16, 8], "replica_size": 2}, "batch_sizes cannot be combined with replica_size=2"),
+        ({"batch_sizes": [16, 8], "deadline_rounds": True}, "batch_sizes cannot be combined with deadline_rounds"),
+        ({"batch_sizes": [16, 0]}, "at least 1"),
         ({"balance": "batch", "batch_sizes": [16, 0]}, "at least 1"),
         ({"balance": "batch", "batch_sizes": "auto"}, "a list .* or a dict by device name"),
         ({"balance": "batch", "solver": "alg1"}, "solver='alg1' configures local steps"),

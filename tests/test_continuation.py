@@ -146,7 +146,7 @@ def test_bad_continuations_are_refused():
         continue_epoch(plan, 0, rnd.end_slot, [])
     with pytest.raises(ValueError, match="not distinct ranks"):
         continue_epoch(plan, 0, rnd.end_slot, [Survivor(0, 1), Survivor(0, 1)])
-    with pytest.raises(ValueError, match="trained 9 units"):
+    with pytest.raises(ValueError, match="trained 9 steps"):
         continue_epoch(plan, 0, rnd.end_slot, [Survivor(0, 9)])
     with pytest.raises(ValueError, match="every unit of the epoch once"):
         EpochContinuation(0, (0, 0, 1), 1, 1)

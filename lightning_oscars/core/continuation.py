@@ -43,7 +43,7 @@ class Survivor:
 
     Args:
         rank: its rank in the failed world.
-        round_units: the units it trained in the failed round, from the round's start.
+        round_units: the steps it trained in the failed round, from the round's start (a unit each without widths).
     """
 
     rank: int
@@ -110,18 +110,19 @@ def continue_epoch(
         current = plan.round_at(slots)  # at a round boundary its progress is zero: nothing of it was trained
         positions = list(range(current.first_unit))
         for rank in range(plan.world_size):
-            positions += current.units_of(rank)[: _averaged_progress(plan, rank)]
+            positions += current.units_through(rank, _averaged_progress(plan, rank))
     elif slots > 0:
         failed = plan.round_at(min(slots, plan.total_slots) - 1)
         positions = list(range(failed.first_unit))
         for rank in range(plan.world_size):
-            reserved = failed.units_of(rank)
+            steps = failed.steps(rank)
             done = trained.get(rank, _averaged_progress(plan, rank))
-            if not 0 <= done <= len(reserved):
-                raise ValueError(f"rank {rank} trained {done} units of a round that gave it {len(reserved)}")
-            positions += reserved[:done]
+            if not 0 <= done <= steps:
+                raise ValueError(f"rank {rank} trained {done} steps of a round that gave it {steps}")
+            positions += failed.units_through(rank, done)
             if rank not in trained:  # a lost rank's work after the last extra averaging is gone with it
-                retrained += [plan.unit(p) for p in reserved[_averaged_progress(plan, rank) :]]
+                kept = len(failed.units_through(rank, _averaged_progress(plan, rank)))
+                retrained += [plan.unit(p) for p in failed.units_of(rank)[kept:]]
     consumed = [plan.unit(p) for p in positions]
     taken = set(positions)
     rest = [plan.unit(p) for p in range(plan.total_units) if p not in taken]
@@ -129,5 +130,5 @@ def continue_epoch(
 
 
 def _averaged_progress(plan: FailedPlan, rank: int) -> int:
-    """The units ``rank`` had trained in the current round at its last extra averaging (0 if none)."""
+    """The steps ``rank`` had trained in the current round at its last extra averaging (0 if none)."""
     return plan.progress[rank] if rank < len(plan.progress) else 0

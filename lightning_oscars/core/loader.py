@@ -13,6 +13,10 @@ epoch. Real batches come from one inner ``DataLoader`` over the user's dataset (
 workers, pinning) whose batch sampler is this rank's upcoming index lists; a re-plan hands it new lists and
 restarts its iterator, so ``persistent_workers=True`` keeps the worker processes for the whole fit.
 
+With per-rank batch sizes (``batch_sizes``) the plan's batches are *blocks* of the sizes' greatest common divisor,
+and a rank whose batch size is ``w`` blocks fetches ``w`` of them for each of its batches (the plan's widths,
+``partition.py``): every rank trains its own batch size, and every sample is still trained once per epoch.
+
 In a deadline round (``deadline.py``) the rank's real slots are not planned: as Lightning fetches each slot the
 loader asks its :class:`~lightning_oscars.core.deadline.DeadlinePacer` whether the next step still fits before the
 round's deadline, and hands out the rank's reserved units in order while it does. A lockstep scheme (BSP) may close
@@ -26,6 +30,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from functools import reduce
 from typing import Any
 
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -36,7 +41,7 @@ from lightning_oscars.core.deadline import DeadlinePacer
 from lightning_oscars.core.epoch_order import EpochOrder, training_set_size
 from lightning_oscars.core.partition import EpochPlan
 from lightning_oscars.core.replicas import ReplicaLayout, replica_batches
-from lightning_oscars.core.slots import SlotCursor, SlotInfo
+from lightning_oscars.core.slots import Blocks, SlotCursor, SlotInfo
 from lightning_oscars.core.warmup import WarmupGate
 
 __all__ = [
@@ -44,6 +49,7 @@ __all__ = [
     "EpochSampler",
     "LoadBalancedLoader",
     "SlotInfo",
+    "block_widths",
     "empty_batch",
     "inner_loader_kwargs",
     "training_set_size",
@@ -72,6 +78,27 @@ def inner_loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
         for key in ("prefetch_factor", "persistent_workers", "timeout"):
             kwargs.pop(key, None)
     return kwargs
+
+
+def block_widths(batch_sizes: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    """The block of samples per-rank batch sizes share (their greatest common divisor), and each rank's batch in
+    blocks: ``[64, 32]`` -> ``(32, (2, 1))``."""
+    if not batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
+    block = reduce(math.gcd, batch_sizes)
+    return block, tuple(b // block for b in batch_sizes)
+
+
+def _plan_batches(
+    batch_size: int, batch_sizes: Sequence[int] | None, world_size: int, replica_size: int
+) -> tuple[int, tuple[int, ...] | None]:
+    """The samples of one of the plan's batches (before replicas), and each rank's batch in them (``None``: one)."""
+    if batch_sizes is None:
+        return batch_size, None
+    if len(batch_sizes) != world_size or replica_size != 1:
+        raise ValueError(f"batch sizes {list(batch_sizes)} for {world_size} ranks of one rank per replica")
+    block, widths = block_widths(batch_sizes)
+    return block, widths if any(w != 1 for w in widths) else None
 
 
 def empty_batch(batch: Any) -> Any:
@@ -113,6 +140,7 @@ class LoadBalancedLoader:
         order: the epoch order (see :class:`EpochOrder`); overrides ``shuffle`` and ``seed``.
         replica_size, member: the ranks per replica and this rank's place in its replica (``replicas.py``): the
             plan's batches are replica batches of ``replica_size`` user batches, of which this rank fetches its part.
+        batch_sizes: every rank's own batch size (instead of the loader's ``batch_size``), one rank per replica.
     """
 
     def __init__(
@@ -126,6 +154,7 @@ class LoadBalancedLoader:
         order: EpochOrder | None = None,
         replica_size: int = 1,
         member: int = 0,
+        batch_sizes: Sequence[int] | None = None,
     ) -> None:
         size = training_set_size(dataloader)
         dataset = dataloader.dataset
@@ -138,7 +167,8 @@ class LoadBalancedLoader:
             order = EpochOrder("permutation" if shuffle else "sequential", size, seed)
         self.order = order
         self.dataset: Dataset = dataset
-        self.batch_size = int(dataloader.batch_size)
+        # With per-rank batch sizes the plan's batches are blocks, ``widths[rank]`` of them per batch of this rank.
+        self.batch_size, self.widths = _plan_batches(int(dataloader.batch_size), batch_sizes, world_size, replica_size)
         self.drop_last = bool(dataloader.drop_last)
         self.num_samples = order.num_samples
         if not 0 <= member < replica_size:
@@ -302,14 +332,18 @@ class _EpochIterator:
         self._fresh_inner = False
         owner._slots.clear()
 
-    def _indices(self, batch: int) -> list[int]:
+    def _indices(self, blocks: Blocks) -> list[int]:
         owner = self.owner
         size = owner.batch_size * owner.layout.replica_size
-        start = batch * size
-        # The epoch's last batch keeps the remainder (replica_batches may have merged a too small one into it).
-        end = owner.num_samples if batch == owner.num_batches - 1 and not owner.drop_last else start + size
-        first, last = owner.layout.member_span(start, min(end, owner.num_samples), owner.member)
-        return owner.epoch_order(owner.sampler.epoch)[first:last]
+        order = owner.epoch_order(owner.sampler.epoch)
+        indices: list[int] = []
+        for batch in blocks:
+            start = batch * size
+            # The epoch's last batch keeps the remainder (replica_batches may have merged a too small one into it).
+            end = owner.num_samples if batch == owner.num_batches - 1 and not owner.drop_last else start + size
+            first, last = owner.layout.member_span(start, min(end, owner.num_samples), owner.member)
+            indices += order[first:last]
+        return indices
 
     def _restart_inner(self) -> None:
         owner = self.owner
@@ -353,7 +387,7 @@ class _EpochIterator:
             if self.last_batch is None:
                 # Only when resuming into a no-op slot: Lightning skips a None batch entirely (no step, no
                 # counters), so build the empty batch from a real batch of this rank's data, fetched once.
-                self.last_batch = owner.fetch_one(self._indices(min(owner.rank, owner.num_batches - 1)))
+                self.last_batch = owner.fetch_one(self._indices((min(owner.rank, owner.num_batches - 1),)))
             item = empty_batch(self.last_batch)
             info = SlotInfo(False, 0, 0.0, round_slot)
         else:

@@ -29,6 +29,11 @@ round shortened to end there reserves less (:func:`held_reservation`) and its de
 
 The *time-boxed warm-up* (``warmup.py``) lays out an epoch's first round the same way, with every rank reserving
 the same number of units (``warmup_reserve``); only the slots' decisions differ.
+
+With *widths* (per-rank batch sizes, ``quotas.py``) a unit is a block of samples and rank ``i``'s step trains
+``widths[i]`` of them: its quota counts units, its first step is its first ``widths[i]`` units (still taken before
+anybody's rest, so still known before the quotas), and each later step the next ``widths[i]`` of its units. Plain
+rounds only: deadline rounds, the warm-up round and continuations move single units between ranks.
 """
 
 from __future__ import annotations
@@ -41,7 +46,14 @@ from typing import Any
 
 from lightning_oscars.core.continuation import EpochContinuation
 from lightning_oscars.core.epoch_shape import validations_after_resize  # re-exported: it places validations
-from lightning_oscars.core.quotas import max_epoch_slots, planned_slots, round_quotas, split_proportionally
+from lightning_oscars.core.quotas import (
+    max_epoch_slots,
+    planned_slots,
+    round_quotas,
+    split_proportionally,
+    steps_of,
+    unit_quotas,
+)
 from lightning_oscars.core.reservations import (
     deadline_epoch_slots,
     deadline_reservation,
@@ -65,6 +77,7 @@ __all__ = [
     "round_quotas",
     "segment_length",
     "split_proportionally",
+    "unit_quotas",
     "validations_after_resize",
 ]
 
@@ -73,7 +86,8 @@ __all__ = [
 class Round:
     """One round: ``length`` slots from ``start_slot``; rank ``i`` trains ``quotas[i]`` units from position
     ``first_unit``. In a ``deadline`` round the quotas are reservations until :meth:`EpochPlan.settle` replaces
-    them by what each rank trained; a ``warmup`` round is a deadline round whose slots the warm-up gate decides."""
+    them by what each rank trained; a ``warmup`` round is a deadline round whose slots the warm-up gate decides.
+    ``widths``: units per step of each rank (empty: one)."""
 
     start_slot: int
     length: int
@@ -81,6 +95,14 @@ class Round:
     first_unit: int
     deadline: bool = False
     warmup: bool = False
+    widths: tuple[int, ...] = ()
+
+    def width(self, rank: int) -> int:
+        return self.widths[rank] if self.widths else 1
+
+    def steps(self, rank: int) -> int:
+        """The real steps of ``rank`` in this round."""
+        return steps_of(self.quotas[rank], self.width(rank))
 
     @property
     def end_slot(self) -> int:
@@ -95,17 +117,27 @@ class Round:
         the first at offset 0. Spread, not packed at the start, so that wherever the round is cut (validation or a
         checkpoint averages mid-round) every rank has done about the same share of its round's work, and nobody
         waits long at that extra averaging."""
-        quota = self.quotas[rank]
-        return [k * self.length // quota for k in range(quota)]
+        steps = self.steps(rank)
+        return [k * self.length // steps for k in range(steps)]
 
     def units_of(self, rank: int) -> list[int]:
-        """The units rank ``rank`` trains on, in order, one per slot of :meth:`real_offsets`."""
+        """The units rank ``rank`` trains on, in order: one per slot of :meth:`real_offsets`, or with widths
+        :meth:`step_units`' runs one after the other."""
         if self.quotas[rank] == 0:
             return []
-        starters = sum(1 for q in self.quotas if q > 0)
-        first = self.first_unit + sum(1 for q in self.quotas[:rank] if q > 0)
-        rest = self.first_unit + starters + sum(q - 1 for q in self.quotas[:rank] if q > 0)
-        return [first, *range(rest, rest + self.quotas[rank] - 1)]
+        starts = [min(q, self.width(r)) for r, q in enumerate(self.quotas)]
+        first = self.first_unit + sum(starts[:rank])
+        rest = self.first_unit + sum(starts) + sum(q - s for q, s in zip(self.quotas[:rank], starts[:rank]))
+        return [*range(first, first + starts[rank]), *range(rest, rest + self.quotas[rank] - starts[rank])]
+
+    def step_units(self, rank: int) -> list[list[int]]:
+        """The units of each of ``rank``'s real steps, in order (one unit each without widths)."""
+        units, width = self.units_of(rank), self.width(rank)
+        return [units[k : k + width] for k in range(0, len(units), width)]
+
+    def units_through(self, rank: int, steps: int) -> list[int]:
+        """The units of ``rank``'s first ``steps`` real steps."""
+        return [p for run in self.step_units(rank)[:steps] for p in run]
 
 
 def plan_rounds(
@@ -117,6 +149,7 @@ def plan_rounds(
     reserve: Sequence[int] | None = None,
     warmup_reserve: Sequence[int] | None = None,
     boundaries: Sequence[int] = (),
+    widths: Sequence[int] | None = None,
 ) -> list[Round]:
     """The rounds from ``start_slot`` to ``total_slots`` if every round follows ``local_steps``. With ``reserve``
     (per-rank reservations of deadline rounds), rounds are deadline rounds while :func:`deadline_round_fits`, laid
@@ -124,8 +157,12 @@ def plan_rounds(
     the first round is a time-boxed warm-up reserving that much, or as much as fits (:func:`fitting_reservation`;
     a plain round if not even ``local_steps`` fits). ``boundaries``: slots where the epoch averages whatever the
     rounds (validation): rounds end there (:func:`segment_length`, :func:`deadline_reservation`) rather than being
-    cut short by them, so that no rank waits at that averaging for another's share of a cut round."""
+    cut short by them, so that no rank waits at that averaging for another's share of a cut round. ``widths``: each
+    rank's units per step (plain rounds only)."""
     steps = tuple(local_steps)
+    sizes = tuple(widths) if widths is not None and any(w != 1 for w in widths) else ()
+    if sizes and (reserve is not None or warmup_reserve is not None):
+        raise ValueError("per-rank widths apply to plain rounds only, not to deadline or warm-up rounds")
     rounds: list[Round] = []
     slot, unit = start_slot, first_unit
     warmup = None
@@ -143,11 +180,12 @@ def plan_rounds(
             unit += sum(held)
             continue
         short = segment_length(slot, max(steps), boundaries, total_slots)
-        quotas = tuple(round_quotas(steps, total_units - unit, total_slots - slot, short))
-        length = max(quotas) if any(quotas) else total_slots - slot
+        quotas = tuple(unit_quotas(steps, sizes or None, total_units - unit, total_slots - slot, short))
+        most = max(steps_of(q, w) for q, w in zip(quotas, sizes or (1,) * len(quotas)))
+        length = most if any(quotas) else total_slots - slot
         if short is not None and any(quotas):
             length = max(length, min(short, total_slots - slot))  # a short round ends on its boundary
-        rounds.append(Round(slot, length, quotas, unit))
+        rounds.append(Round(slot, length, quotas, unit, widths=sizes))
         slot += length
         unit += sum(quotas)
     return rounds
@@ -166,6 +204,7 @@ class EpochPlan:
         warmup_reserve: Sequence[int] | None = None,
         boundaries: Callable[[int], Sequence[int]] | None = None,
         continuation: EpochContinuation | None = None,
+        widths: Sequence[int] | None = None,
     ) -> None:
         for name, given in (("local_steps", local_steps), ("reserve", reserve), ("warmup_reserve", warmup_reserve)):
             if given is not None and len(given) != world_size:
@@ -174,6 +213,11 @@ class EpochPlan:
             if given is not None and any(r < t or r < 1 for r, t in zip(given, local_steps)):
                 raise ValueError(f"reservations {list(given)} must be >= 1 and >= local_steps {list(local_steps)}")
         self.world_size = world_size
+        # Units per step of every rank (per-rank batch sizes); None: one. Plain rounds only (see the module).
+        uneven = widths is not None and any(w != 1 for w in widths)
+        self.widths: tuple[int, ...] | None = tuple(widths) if widths is not None and uneven else None
+        if self.widths is not None and (len(self.widths) != world_size or min(self.widths) < 1):
+            raise ValueError(f"widths {list(self.widths)} must be {world_size} positive integers, one per rank")
         self.total_units = total_units
         self.total_slots = total_slots
         self.version = 0
@@ -200,6 +244,7 @@ class EpochPlan:
             reserve=reserve,
             warmup_reserve=warmup_reserve,
             boundaries=self.boundary_slots(),
+            widths=self.widths,
         )
         self._starts = [r.start_slot for r in self._rounds]
 
@@ -222,13 +267,18 @@ class EpochPlan:
         return self._rounds[index]
 
     def unit_at(self, rank: int, slot: int) -> int | None:
-        """The unit ``rank`` trains on at ``slot``, or ``None`` if that slot is a no-op for it."""
+        """The (first) unit ``rank`` trains on at ``slot``, or ``None`` if that slot is a no-op for it."""
+        units = self.units_at(rank, slot)
+        return units[0] if units else None
+
+    def units_at(self, rank: int, slot: int) -> list[int] | None:
+        """The units ``rank`` trains on at ``slot`` (one without widths), or ``None`` if it is a no-op for it."""
         rnd = self.round_at(slot)
         offsets = rnd.real_offsets(rank)
         index = bisect.bisect_left(offsets, slot - rnd.start_slot)
         if index == len(offsets) or offsets[index] != slot - rnd.start_slot:
             return None
-        return self.unit(rnd.units_of(rank)[index])
+        return [self.unit(p) for p in rnd.step_units(rank)[index]]
 
     def reserved_units(self, rank: int, rnd: Round) -> list[int]:
         """The units ``rank`` trains (or, in a deadline round, may train, in this order) in ``rnd``."""
@@ -265,10 +315,10 @@ class EpochPlan:
             needed = start_slot + deadline_epoch_slots(units_per_round or sum(local_steps), max(reserve), left)
             self.total_slots = max(start_slot, min(self.total_slots, needed))
         elif reserve is None and max_slots is not None:
-            needed = start_slot + planned_slots(local_steps, left)
+            needed = start_slot + planned_slots(local_steps, left, self.widths)
             self.total_slots = max(start_slot, min(max(max_slots, self.total_slots), needed))
         elif shrink:
-            needed = start_slot + planned_slots(local_steps, left)
+            needed = start_slot + planned_slots(local_steps, left, self.widths)
             self.total_slots = max(start_slot, min(self.total_slots, needed))
         rounds = plan_rounds(
             local_steps,
@@ -279,6 +329,7 @@ class EpochPlan:
             reserve,
             None,
             self.boundary_slots(),
+            self.widths,
         )
         if reserve is not None and not any(r.deadline for r in rounds):  # the plain tail: its end is known
             self.total_slots = max(start_slot, min(self.total_slots, start_slot + planned_slots(local_steps, left)))
@@ -289,6 +340,7 @@ class EpochPlan:
                 start_slot,
                 first_unit,
                 boundaries=self.boundary_slots(),
+                widths=self.widths,
             )
         self._rounds[index:] = rounds
         self._starts = [r.start_slot for r in self._rounds]
@@ -301,6 +353,7 @@ class EpochPlan:
         index = bisect.bisect_left(self._starts, start_slot)
         if index == len(self._starts) or self._starts[index] != start_slot or not self._rounds[index].deadline:
             raise ValueError(f"slot {start_slot} does not start a deadline round")
+        assert self.widths is None, "deadline rounds are planned without widths"
         rnd = self._rounds[index]
         trained = tuple(int(t) for t in trained)
         if len(trained) != self.world_size or any(not 0 <= t <= q for t, q in zip(trained, rnd.quotas)):
@@ -336,14 +389,19 @@ class EpochPlan:
             ],
             "order": self.order,
             "progress": list(self.progress),
+            "widths": list(self.widths) if self.widths is not None else None,
         }
 
     @classmethod
     def from_state_dict(cls, world_size: int, state: dict[str, Any]) -> EpochPlan:
         """The plan :meth:`state_dict` saved (a checkpoint written mid-epoch), re-planned rounds included."""
         plan = cls(world_size, state["total_units"], state["total_slots"], (1,) * world_size)
+        widths = state.get("widths")
+        plan.widths = tuple(widths) if widths else None
         plan._rounds = [
-            Round(r[0], r[1], tuple(r[2]), r[3], len(r) > 4 and bool(r[4]), len(r) > 5 and bool(r[5]))
+            Round(
+                r[0], r[1], tuple(r[2]), r[3], len(r) > 4 and bool(r[4]), len(r) > 5 and bool(r[5]), plan.widths or ()
+            )
             for r in state["rounds"]
         ]
         plan._starts = [r.start_slot for r in plan._rounds]

@@ -146,6 +146,7 @@ class SchedulePolicy:
         if step_times is not None and local_steps is not None:
             raise ValueError("pin either step_times or local_steps, not both")
         self.solver = solver
+        self.widths: tuple[int, ...] | None = None  # units per step of each rank (per-rank batch sizes): epoch sizes
         self.max_spread = max_spread
         self.max_local_steps = max_local_steps
         self.tolerance = float(tolerance)
@@ -223,7 +224,7 @@ class SchedulePolicy:
     def epoch_slot_bound(self, total_units: int) -> int:
         """The most slots an epoch of ``total_units`` can take: its length as reported before speeds are known."""
         if self.schedule is not None and not self.resolve:  # pinned or fixed period: the length is known
-            return planned_slots(self.schedule.local_steps, total_units)
+            return planned_slots(self.schedule.local_steps, total_units, self.widths)
         most = min(self.max_spread, self.max_local_steps)
         return max_epoch_slots(total_units, self.world_size, most, last_round=max(most, self._warmup))
 
@@ -232,7 +233,7 @@ class SchedulePolicy:
         epoch is cut once the first schedule is solved). Never beyond ``bound``, the loader's length."""
         if self.schedule is None:
             return bound, True
-        return min(planned_slots(self.schedule.local_steps, total_units), bound), False
+        return min(planned_slots(self.schedule.local_steps, total_units, self.widths), bound), False
 
     # ------------------------------------------------------------------ measurements
 

@@ -4,6 +4,10 @@ A rank's quota in a round is its local steps, capped by what the round and the e
 split in proportion to the ranks' steps (:func:`round_quotas`). :func:`planned_slots` and :func:`max_epoch_slots` size
 an epoch from a schedule (the second for every schedule the solvers can return: the loader's length). Pure; used by
 ``partition.py``'s plans and by the policy's epoch bound.
+
+*Widths* (per-rank batch sizes): a rank whose batch is ``widths[i]`` blocks of samples trains ``widths[i]`` units per
+step. Its quota is then counted in units, ``local_steps[i] * widths[i]`` in a full round, and its real steps in the
+round are ``ceil(quota / width)`` (a tail step may hold fewer units). Without widths every step is one unit.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["max_epoch_slots", "planned_slots", "round_quotas", "split_proportionally"]
+__all__ = ["max_epoch_slots", "planned_slots", "round_quotas", "split_proportionally", "steps_of", "unit_quotas"]
 
 
 def split_proportionally(weights: Sequence[float], total: int, caps: Sequence[int], floors: Sequence[int]) -> list[int]:
@@ -93,15 +97,60 @@ def round_quotas(
     return quotas
 
 
-def planned_slots(local_steps: Sequence[int], total_units: int) -> int:
-    """Slots needed to use every unit once when every round follows ``local_steps``."""
+def steps_of(quota: int, width: int) -> int:
+    """Real steps of a rank that trains ``quota`` units, ``width`` per step."""
+    return -(-quota // width)
+
+
+def unit_quotas(
+    local_steps: Sequence[int],
+    widths: Sequence[int] | None,
+    remaining_units: int,
+    remaining_slots: int,
+    length: int | None = None,
+) -> list[int]:
+    """:func:`round_quotas` counted in units when rank ``i`` trains ``widths[i]`` units per step (``None`` or all
+    ones: :func:`round_quotas` itself). A full round gives rank ``i`` ``local_steps[i] * widths[i]`` units; a round
+    shortened to ``length`` scales the steps down in proportion; near the epoch's end, or when the slots left cannot
+    hold the units left at these quotas, the units are split in proportion to them, at most ``length`` steps'
+    worth per rank, so that no data is skipped."""
+    if widths is None or all(w == 1 for w in widths):
+        return round_quotas(local_steps, remaining_units, remaining_slots, length)
+    n = len(local_steps)
+    if len(widths) != n or any(w < 1 for w in widths):
+        raise ValueError(f"widths {list(widths)} must be {n} positive integers, one per rank")
+    if remaining_units <= 0 or remaining_slots <= 0:
+        return [0] * n
+    longest = max(local_steps)
+    length = min(longest if length is None else max(1, min(length, longest)), remaining_slots)
+    steps = [min(t, length) for t in local_steps]
+    if length < longest and length < remaining_slots:  # a shortened round, not the epoch's tail: scale
+        share = round(sum(local_steps) * length / longest)
+        steps = split_proportionally([float(t) for t in local_steps], share, [length] * n, [1] * n)
+    quotas = [max(1, s) * w for s, w in zip(steps, widths)]
+    caps = [length * w for w in widths]
+    floors = [1 if i < remaining_units else 0 for i in range(n)]
+    rounds_left = -(-remaining_slots // length)
+    backlog = remaining_units - sum(widths) * (remaining_slots - length)  # what the later slots cannot hold
+    needed = min(remaining_units, max(-(-remaining_units // rounds_left), backlog))
+    if sum(quotas) > remaining_units or sum(quotas) < needed:
+        target = remaining_units if sum(quotas) > remaining_units else needed
+        quotas = split_proportionally([float(t * w) for t, w in zip(local_steps, widths)], target, caps, floors)
+    return quotas
+
+
+def planned_slots(local_steps: Sequence[int], total_units: int, widths: Sequence[int] | None = None) -> int:
+    """Slots needed to use every unit once when every round follows ``local_steps`` (rank ``i`` training
+    ``widths[i]`` units per step)."""
     steps = tuple(local_steps)
-    per_round = sum(steps)
+    sizes = tuple(widths) if widths is not None else (1,) * len(steps)
+    per_round = sum(t * w for t, w in zip(steps, sizes))
     full_rounds = total_units // per_round
     slots = full_rounds * max(steps)
     left = total_units - full_rounds * per_round
     if left:
-        slots += max(round_quotas(steps, left, max(steps)))
+        quotas = unit_quotas(steps, sizes, left, max(steps))
+        slots += max(steps_of(q, w) for q, w in zip(quotas, sizes))
     return slots
 
 
@@ -112,7 +161,8 @@ def max_epoch_slots(total_units: int, world_size: int, most_steps: int, last_rou
     A round whose busiest rank takes ``m`` steps lasts ``m`` slots and uses at least ``m + world_size - 1``
     units, so it needs at most ``m / (m + world_size - 1)`` slots per unit, the most at ``m = most_steps``
     (rounds where everybody takes the same steps need only ``1 / world_size``). Only the epoch's last round
-    can be partial: ``last_round`` bounds its slots. Never more than ``total_units``.
+    can be partial: ``last_round`` bounds its slots. Never more than ``total_units``. A bound with widths too:
+    every step trains at least one unit.
     """
     if world_size < 1 or most_steps < 1 or last_round < 0 or total_units < 0:
         raise ValueError(f"invalid bound arguments: {total_units=}, {world_size=}, {most_steps=}, {last_round=}")

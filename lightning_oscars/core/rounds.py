@@ -45,6 +45,8 @@ class RoundController:
         deadline: deadline rounds (``deadline.py``) once a schedule is solved; :attr:`pacer` decides the slots.
         warmup_gate: time-box the warm-up round (``warmup.py``): faster ranks train until the slowest has taken its
             warm-up steps. Without it every rank takes exactly ``warmup_steps``.
+        widths: the units each rank trains per step (per-rank batch sizes, ``quotas.py``); ``None``: one each. Plain
+            rounds only: not with ``deadline`` or ``warmup_gate``.
         clock: measures local steps (host wall clock by default; CUDA events on a GPU).
         now: wall clock for the record's ``time``.
     """
@@ -62,9 +64,16 @@ class RoundController:
         warmup_gate: WarmupGate | None = None,
         clock: LapClock | None = None,
         now: Callable[[], float] = time.perf_counter,
+        widths: Sequence[int] | None = None,
     ) -> None:
         if not (0 <= rank < world_size and 0 <= member < replica_size):
             raise ValueError(f"rank {rank} (member {member}) outside {world_size} replicas of {replica_size} ranks")
+        if widths is not None and len(widths) != world_size:
+            raise ValueError(f"widths {list(widths)} do not have {world_size} entries, one per rank")
+        if widths is not None and (deadline or warmup_gate is not None):
+            raise ValueError("per-rank widths apply to plain rounds only: not with deadline rounds or a timed warm-up")
+        self.widths = tuple(widths) if widths is not None else None
+        policy.widths = self.widths
         self.policy = policy
         self.world_size, self.rank, self.member, self.replica_size = world_size, rank, member, replica_size
         self.weighted = weighted
@@ -194,6 +203,7 @@ class RoundController:
                 warmup_reserve=warmup,
                 boundaries=boundaries,
                 continuation=done,
+                widths=self.widths,
             )
             self.planned_epoch = epoch
             self._round_units = 0

@@ -5,11 +5,16 @@ reads the loader's current plan (which a re-plan rewrites mid-epoch), and in a d
 pacer (``deadline.py``), or in the time-boxed warm-up the warm-up gate (``warmup.py``), whether the next step is
 due, handing out the rank's reserved units in order while it is; a lockstep scheme may close a deadline round
 (:meth:`SlotCursor.close_round`). Pure: no Lightning, no torch.distributed.
+
+A rank's batch is a tuple of the loader's epoch batches (blocks of samples): one, unless per-rank batch sizes give
+the plan widths (``partition.py``), when a step of ``w`` units takes, at each of its Lightning batches, that batch of
+each of its units.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,7 +22,9 @@ from lightning_oscars.core.deadline import DeadlinePacer
 from lightning_oscars.core.partition import EpochPlan, Round
 from lightning_oscars.core.warmup import WarmupGate
 
-__all__ = ["SlotCursor", "SlotInfo", "SlotOwner", "ends_slot"]
+__all__ = ["Blocks", "SlotCursor", "SlotInfo", "SlotOwner", "ends_slot"]
+
+Blocks = tuple[int, ...]  # the epoch batches one Lightning batch of a rank is made of
 
 
 def ends_slot(batch_idx: int, batches_per_slot: int, epoch_batches: float) -> bool:
@@ -44,6 +51,7 @@ class SlotOwner(Protocol):
     rank: int
     batches_per_slot: int
     num_batches: int
+    widths: tuple[int, ...] | None
     plan: EpochPlan | None
     pacer: DeadlinePacer | None
     warmup_gate: WarmupGate | None
@@ -60,9 +68,10 @@ class SlotCursor:
         self.slot_unit: int | None = None
         self.closed_round = -1  # a deadline round closed by a lockstep scheme (its first slot): no-ops from here
         self.stale = False  # units this rank did not reach in a deadline round are still queued for fetching
-        self.ahead: tuple[int, tuple[int | None, int]] | None = None  # a slot decided before its fetch (decide_ahead)
+        # A slot decided before its fetch (decide_ahead): its position and decision.
+        self.ahead: tuple[int, tuple[Blocks | None, int]] | None = None
 
-    def decide(self, position: int, pending_real: int) -> tuple[int | None, int]:
+    def decide(self, position: int, pending_real: int) -> tuple[Blocks | None, int]:
         """The epoch batch this rank trains at Lightning batch ``position`` (``None``: a no-op), and the first slot
         of the round it belongs to. ``pending_real``: real slots fetched and not yet run (the pacer counts them)."""
         ahead, self.ahead = self.ahead, None
@@ -87,7 +96,7 @@ class SlotCursor:
         self.ahead = (position, self._decide(position, 0))
         return self.ahead[1][0] is not None
 
-    def _decide(self, position: int, pending_real: int) -> tuple[int | None, int]:
+    def _decide(self, position: int, pending_real: int) -> tuple[Blocks | None, int]:
         owner = self.owner
         plan, bps = owner.plan, owner.batches_per_slot
         slot = position // bps
@@ -105,7 +114,7 @@ class SlotCursor:
             self.taken += int(batch is not None)
             if plan is None:  # the first round's first slot: the plan's first round is entered already
                 self.round_slot = 0
-            self.slot_unit = None if batch is None else batch // bps
+            self.slot_unit = None if batch is None else batch[0] // bps
         return batch, round_slot
 
     def close_round(self, round_slot: int, pending: deque[SlotInfo], position: int) -> deque[SlotInfo]:
@@ -129,24 +138,32 @@ class SlotCursor:
             self.ahead = (self.ahead[0], (None, round_slot))
         return kept
 
-    def batch_at(self, position: int) -> int | None:
-        """The epoch batch trained at Lightning batch ``position`` by this rank as the plan stands (plain rounds),
+    def batch_at(self, position: int) -> Blocks | None:
+        """The epoch batches trained at Lightning batch ``position`` by this rank as the plan stands (plain rounds),
         or ``None`` for a no-op."""
         owner = self.owner
         plan = owner.plan
         slot, within = divmod(position, owner.batches_per_slot)
+        units: Sequence[int] | None
         if plan is None:
             # Only the first batch of an epoch can be fetched before the strategy plans it, and a rank's
-            # first unit never depends on the plan (see partition.py): it is the first round's first unit.
-            unit: int | None = owner.rank if slot == 0 else None
+            # first units never depend on the plan (see partition.py): the first round's first units.
+            widths = owner.widths or (1,) * (owner.rank + 1)
+            first = sum(widths[: owner.rank])
+            units = range(first, first + widths[owner.rank]) if slot == 0 else None
         elif slot >= plan.total_slots:
-            unit = None
+            units = None
         else:
-            unit = plan.unit_at(owner.rank, slot)
-        if unit is None:
+            units = plan.units_at(owner.rank, slot)
+        return self._blocks(units, within)
+
+    def _blocks(self, units: Sequence[int] | None, within: int) -> Blocks | None:
+        """Batch ``within`` of each unit in ``units`` (those the epoch has), or ``None`` if none."""
+        if units is None:
             return None
-        batch = unit * owner.batches_per_slot + within
-        return batch if batch < owner.num_batches else None
+        bps, count = self.owner.batches_per_slot, self.owner.num_batches
+        blocks = tuple(b for b in (u * bps + within for u in units) if b < count)
+        return blocks or None
 
     def _enter_round(self, rnd: Round, slot: int) -> None:
         """The first batch fetched of round ``rnd`` (at ``slot``: part-way in when resuming)."""
@@ -159,7 +176,7 @@ class SlotCursor:
         self.round_slot = rnd.start_slot
         self.taken = 0 if slot == rnd.start_slot else plan.progress[rank]
 
-    def _deadline_batch(self, position: int, rnd: Round, pending_real: int) -> int | None:
+    def _deadline_batch(self, position: int, rnd: Round, pending_real: int) -> Blocks | None:
         """The epoch batch trained at ``position`` of deadline round ``rnd``, or ``None`` for a no-op: decided as
         the slot's first batch is fetched (the pacer), then the same unit for the slot's other batches."""
         owner = self.owner
@@ -178,19 +195,16 @@ class SlotCursor:
             )
             self.slot_unit = plan.reserved_units(owner.rank, rnd)[self.taken] if due else None
             self.taken += int(due)
-        if self.slot_unit is None:
-            return None
-        batch = self.slot_unit * owner.batches_per_slot + within
-        return batch if batch < owner.num_batches else None
+        return self._blocks(None if self.slot_unit is None else (self.slot_unit,), within)
 
-    def upcoming_batches(self, position: int) -> list[int]:
+    def upcoming_batches(self, position: int) -> list[Blocks]:
         """The epoch batches this rank will train from ``position`` on, as the plan stands: in a deadline round all
         the rank's reserved units not handed out yet (the current slot's included)."""
         owner = self.owner
         plan = owner.plan
         assert plan is not None
         bps = owner.batches_per_slot
-        upcoming: list[int] = []
+        upcoming: list[Blocks] = []
         for rnd in plan.rounds:
             if rnd.end_slot * bps <= position:
                 continue
@@ -208,5 +222,5 @@ class SlotCursor:
             for k, unit in enumerate(units):
                 for w in range(within if k == 0 else 0, bps):
                     if unit * bps + w < owner.num_batches:
-                        upcoming.append(unit * bps + w)
+                        upcoming.append((unit * bps + w,))
         return upcoming

@@ -37,7 +37,7 @@ from lightning_oscars.core.share_loader import ShareLoader
 from lightning_oscars.dist.batch_weighting import StepSync, WaitTimer, share_weight
 from lightning_oscars.lightning import _internals as internals
 
-__all__ = ["BatchBalanceSession", "ShareChange"]
+__all__ = ["BatchBalanceSession", "ShareChange", "rank_device_names"]
 
 ShareChange = tuple[int, int, list[int]]  # (epoch, batch, shares from that batch on)
 
@@ -168,14 +168,7 @@ class BatchBalanceSession:
         self.changes = [(-1, 0, list(first))]
 
     def _device_names(self) -> list[str]:
-        """Every rank's device name (one collective, on every rank, only when caps are given by name)."""
-        if not isinstance(self.batch_sizes, dict):
-            return []
-        device = self.strategy.root_device
-        mine = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        names: list[Any] = [None] * self.strategy.world_size
-        torch.distributed.all_gather_object(names, mine)
-        return [str(n) for n in names]
+        return rank_device_names(self.strategy, isinstance(self.batch_sizes, dict))
 
     def _start_epoch(self, trainer: Trainer) -> None:
         """An epoch's first batch is fetched: hand the loader the epoch, its order and where a resume starts."""
@@ -310,3 +303,15 @@ class _BatchCallback(Callback):
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self.session.pause()
+
+
+def rank_device_names(strategy: ParallelStrategy, needed: bool) -> list[str]:
+    """Every rank's device name (``torch.cuda.get_device_name()``, else the device type): one collective, on every
+    rank, only when ``needed`` (batch sizes given by device name); ``[]`` otherwise."""
+    if not needed:
+        return []
+    device = strategy.root_device
+    mine = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    names: list[Any] = [None] * strategy.world_size
+    torch.distributed.all_gather_object(names, mine)
+    return [str(n) for n in names]

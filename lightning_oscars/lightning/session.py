@@ -61,6 +61,7 @@ class FitSession:
         restored: the ``"oscars"`` entry of the checkpoint the fit resumes from.
         on_training_end: called after the end of training's averaging (the strategy hands a tuner's loop run back).
         recovery: what the fit saves when a round fails, and the recovery point it resumes from (``recovery.py``).
+        batch_sizes: every rank's own batch size (``batch_sizes=`` resolved); ``None``: the DataLoader's.
     """
 
     def __init__(
@@ -75,8 +76,10 @@ class FitSession:
         restored: dict[str, Any] | None = None,
         on_training_end: Callable[[], None] | None = None,
         recovery: FitRecovery | None = None,
+        batch_sizes: Sequence[int] | None = None,
     ) -> None:
         self.strategy = strategy
+        self.batch_sizes = batch_sizes
         self.scheme = scheme
         self.rounds = rounds
         self.name = name
@@ -151,6 +154,7 @@ class FitSession:
             member=rounds.member,
             batches_per_slot=internals.accumulation_at(trainer, trainer.current_epoch),
             order=EpochOrder.of(internals.unwrap_sampler(dataloader.sampler), training_set_size(dataloader), self.seed),
+            batch_sizes=self.batch_sizes,
         )
         self.adopt_loader(loader)
         return loader

@@ -64,8 +64,9 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
             synchronous steps over ddp's global batch, each rank's share of it sized to its speed and gradients
             weighted by share: ddp's trajectory; ``docs/batch-balance.md``). Under ``"batch"`` only ``warmup_steps``,
             ``min_gain``, ``smoothing``, ``step_times``, ``seed`` and ``batch_sizes`` apply of the options below.
-        batch_sizes: with ``balance="batch"``: each rank's largest share (its memory), a list by rank or a dict by
-            device name (``torch.cuda.get_device_name()``); ``None``: no cap.
+        batch_sizes: a batch size per rank (its memory), a list by rank or a dict by device name
+            (``torch.cuda.get_device_name()``). Under ``"steps"`` each rank trains its own (the round's average is
+            then weighted by samples); under ``"batch"`` each rank's largest share. ``None``: the DataLoader's.
         solver: ``"exact"`` (communication-aware, exact; default), ``"alg1"`` (the paper's Algorithm 1) or
             ``"uniform"`` (fixed-period local SGD: every rank takes ``max_local_steps`` steps per round).
         averaging: ``"uniform"`` (the paper's Eq. 4: plain mean) or ``"samples"`` (weighted by the samples
@@ -257,6 +258,7 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
             return self._begin_batch_fit(trainer)
         scheme = self.make_scheme()
         store = default_store_or_none()
+        sizes = self.rank_batch_sizes(self)
         rounds = self.make_rounds(
             self.make_policy(),
             self.world_size,
@@ -264,17 +266,19 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
             make_clock(self.root_device),
             None if store is None else StoreCounter(store),
             self._layout,
+            sizes,
         )
         rounds.begin_fit(trainer.max_steps)
         restored, self._restored = self._restored, None
         store = recovery_store(trainer, self.recovery_dir) if self.recovery else None
         point, rank = self._recovery_point, self.global_rank
         recovery = FitRecovery(store, point, rank, self._layout.replica_size) if store is not None else None
-        self._session = self._make_session(scheme, rounds, restored=restored, recovery=recovery)
+        self._session = self._make_session(scheme, rounds, restored=restored, recovery=recovery, batch_sizes=sizes)
         self._session.begin(trainer, monitor=self.monitor)
 
     def _make_session(self, scheme: SyncScheme, rounds: RoundController, **kwargs: Any) -> FitSession:
-        """A fit session of this strategy (``kwargs``: ``restored``, ``on_training_end``, ``recovery``)."""
+        """A fit session of this strategy (``kwargs``: ``restored``, ``on_training_end``, ``recovery``,
+        ``batch_sizes``)."""
         mine: dict[str, Any] = {"seed": self.seed, "average_optimizer_state": self.average_optimizer_state}
         return FitSession(self, scheme, rounds, name=self.strategy_name, **mine, **kwargs)
 
@@ -293,7 +297,7 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
         scheme = ModelAveraging()
         every_step = SchedulePolicy("uniform", max_local_steps=1)
         place = self._layout.place(self.global_rank)
-        rounds = RoundController(every_step, **place, clock=make_clock(self.root_device))
+        rounds = RoundController(every_step, **place, clock=make_clock(self.root_device), widths=session.rounds.widths)
         rounds.begin_fit(trainer.max_steps)
         self._session = self._make_session(scheme, rounds, on_training_end=self._end_tuner_run)
         if session.loader is not None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+from lightning.pytorch.strategies import ParallelStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_oscars.core.batch_shares import resolve_batch_sizes
+from lightning_oscars.core.loader import block_widths
 from lightning_oscars.core.policy import SchedulePolicy, Solver
 from lightning_oscars.core.replicas import ReplicaLayout
 from lightning_oscars.core.rounds import RoundController
@@ -19,6 +21,7 @@ from lightning_oscars.core.warmup import WarmupGate
 from lightning_oscars.dist.outer import OuterNesterovAveraging
 from lightning_oscars.dist.overlap import OverlappedAveraging
 from lightning_oscars.dist.schemes import ModelAveraging, SyncScheme
+from lightning_oscars.lightning.batch_balance import rank_device_names
 
 __all__ = ["DDP_WRAPPER_OPTIONS", "OPTION_NAMES", "OscarsOptions", "check_ddp_wrapper_options"]
 
@@ -96,10 +99,15 @@ def check_balance(o: Mapping[str, Any]) -> None:
         raise ValueError(f"balance must be 'steps' or 'batch', got {o['balance']!r}")
     sizes = o["batch_sizes"]
     if sizes is not None:
-        if o["balance"] != "batch":
+        if o["balance"] == "steps" and o["replica_size"] != 1:
             raise ValueError(
-                "batch_sizes (a batch size per rank) is taken with balance='batch' only; under balance='steps'"
-                " every rank trains the DataLoader's batch_size"
+                f"batch_sizes cannot be combined with replica_size={o['replica_size']!r}: the ranks of a replica"
+                " step together on one batch split evenly among them"
+            )
+        if o["balance"] == "steps" and o["deadline_rounds"]:
+            raise ValueError(
+                "batch_sizes cannot be combined with deadline_rounds: a deadline round hands a rank's unreached"
+                " batches to other ranks, whose batches are of other sizes"
             )
         if isinstance(sizes, str):
             raise ValueError(f"batch_sizes must be a list (one per rank) or a dict by device name, got {sizes!r}")
@@ -221,23 +229,36 @@ class OscarsOptions:
         clock: LapClock | None = None,
         counter: Callable[[int], int] | None = None,
         layout: ReplicaLayout | None = None,
+        batch_sizes: Sequence[int] | None = None,
     ) -> RoundController:
         """The round controller of one fit under ``policy``: sample weighting, deadline rounds and the time-boxed
         warm-up as configured (the warm-up needs ``counter``, shared by the ranks; see ``warmup.py``). With replica
         groups (``layout``) the controller's ranks are the replicas, and the warm-up is not time-boxed: a replica's
-        ranks must take the same steps, which each rank's own view of the shared count cannot promise."""
+        ranks must take the same steps, which each rank's own view of the shared count cannot promise. With per-rank
+        ``batch_sizes`` (resolved, one per rank) a rank's step trains its own batch size: the round's average is
+        weighted by samples, and the warm-up is not time-boxed (its round hands out single units)."""
         layout = layout or ReplicaLayout(world_size)
+        widths = block_widths(batch_sizes)[1] if batch_sizes is not None else None
         gate = None
-        if self.timed_warmup and counter is not None and world_size > 1 and layout.replica_size == 1:
+        if self.timed_warmup and counter is not None and world_size > 1 and layout.replica_size == 1 and not widths:
             gate = WarmupGate(world_size, counter)
         return RoundController(
             policy,
             **layout.place(rank),
-            weighted=self.averaging == "samples",
+            weighted=self.averaging == "samples" or batch_sizes is not None,
             deadline=self.deadline_rounds,
             warmup_gate=gate,
             clock=clock,
+            widths=widths,
         )
+
+    def rank_batch_sizes(self, strategy: ParallelStrategy) -> list[int] | None:
+        """Every rank's batch size under ``balance="steps"`` from ``batch_sizes`` (a collective on every rank when
+        given by device name); ``None``: the DataLoader's ``batch_size`` everywhere."""
+        if self.batch_sizes is None or self.balance != "steps":
+            return None
+        names = rank_device_names(strategy, isinstance(self.batch_sizes, dict))
+        return resolve_batch_sizes(self.batch_sizes, strategy.world_size, names)
 
     def make_policy(self) -> SchedulePolicy:
         """A fresh schedule policy for one fit."""
