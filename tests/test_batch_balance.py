@@ -94,7 +94,9 @@ def test_batch_balance_trains_to_ddps_weights_with_unequal_shares(fits, ddp, bat
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["batch", "batch_accumulated", "batchnorm", "bf16", "caps", "steps_sizes", "steps_sizes_bn"])
+@pytest.mark.parametrize(
+    "name", ["batch", "batch_accumulated", "batchnorm", "bf16", "caps", "steps_sizes", "steps_sizes_bn"]
+)
 def test_every_sample_is_trained_once_per_epoch_and_every_rank_ends_identical(fits, name):
     _no_error(fits[name])
     fast, slow = fits[name]
