@@ -54,6 +54,9 @@ CONFIGS = {
     "ddp-b32": ["--strategy", "ddp", "--batch-size", "32"],
     "oscars-batch-caps-64-32": ["--strategy", "oscars", "--option", "balance=batch"]
     + ["--option", "batch_sizes=[64,32]", "--batch-size", "48"],
+    # the same memories under local steps: oscars at the smaller batch on both, and each rank on its own batch size
+    "oscars-b32": ["--strategy", "oscars", "--batch-size", "32"],
+    "oscars-caps-64-32": ["--strategy", "oscars", "--option", "batch_sizes=[64,32]", "--batch-size", "32"],
     "oscars-exact-samples": ["--strategy", "oscars", "--solver", "exact", "--averaging", "samples"],
     "oscars-alg1-uniform": ["--strategy", "oscars", "--solver", "alg1", "--averaging", "uniform"],
     "oscars-alg1-samples": ["--strategy", "oscars", "--solver", "alg1", "--averaging", "samples"],

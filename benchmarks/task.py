@@ -78,6 +78,49 @@ def digits_cnn() -> nn.Module:
     )
 
 
+@functools.lru_cache(maxsize=2)
+def load_text_split(train_windows: int = 4096, test_windows: int = 512, length: int = 64) -> tuple[TensorDataset, ...]:
+    """Real text without a download: the source files of Python's own standard library, as bytes, cut into windows of
+    ``length`` bytes (input) and the same shifted by one (the next byte to predict), as (train, test). The files are
+    taken in sorted order; the test windows come from files after the training ones."""
+    import sysconfig
+    from pathlib import Path
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    need = (train_windows + test_windows) * length + 1
+    text = bytearray()
+    for path in files:
+        text += path.read_bytes()
+        if len(text) >= need:
+            break
+    data = torch.tensor(list(text[:need]), dtype=torch.long)
+    windows = data[: (train_windows + test_windows) * length].reshape(-1, length)
+    targets = data[1:need].reshape(-1, length)
+    return (
+        TensorDataset(windows[:train_windows], targets[:train_windows]),
+        TensorDataset(windows[train_windows:], targets[train_windows:]),
+    )
+
+
+class ByteTransformer(nn.Module):
+    """A small causal transformer language model over bytes (2 layers, width 64, 4 heads, learned positions): logits
+    as ``(batch, 256, length)``, so that ``cross_entropy(model(x), y)`` is the loss in nats per byte."""
+
+    def __init__(self, length: int = 64, width: int = 64, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, width)
+        self.position = nn.Parameter(torch.zeros(length, width))
+        layer = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, 256)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(length), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.shape[1]
+        h = self.blocks(self.embed(x) + self.position[:t], mask=self.causal[:t, :t], is_causal=True)
+        return self.head(h).transpose(1, 2)
+
+
 def parse_profile(text: str) -> dict[int, list[tuple[float, float]]]:
     """``'1:3'``: rank 1 always 3x; ``'1:3@0,1@4;0:1@0,3@4'``: ranks 0 and 1 swap speeds after 4 s."""
     out: dict[int, list[tuple[float, float]]] = {}
@@ -172,10 +215,10 @@ class BenchModule(LightningModule):
         per_sample_ms: float = 0.0,
     ) -> None:
         super().__init__()
-        if task not in ("gaussian", "digits"):
-            raise ValueError(f"task must be 'gaussian' or 'digits', got {task!r}")
+        if task not in ("gaussian", "digits", "text"):
+            raise ValueError(f"task must be 'gaussian', 'digits' or 'text', got {task!r}")
         self.save_hyperparameters()
-        self.digits = load_digits_split() if task == "digits" else None
+        self.digits = load_digits_split() if task == "digits" else load_text_split() if task == "text" else None
         # A large model's communication without its compute (which the GPU-like regime's sleep stands for): this
         # many MB of float32 parameters that every all-reduce carries (ddp's gradients, every averaging) and that
         # take a zero gradient per step.
@@ -183,6 +226,8 @@ class BenchModule(LightningModule):
         self.net = (
             digits_cnn()
             if task == "digits"
+            else ByteTransformer()
+            if task == "text"
             else nn.Sequential(
                 nn.Linear(32, hidden),
                 nn.BatchNorm1d(hidden),
@@ -229,7 +274,7 @@ class BenchModule(LightningModule):
         x, y = batch
         logits = self(x)
         self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
-        self.log("val_acc", (logits.argmax(-1) == y).float().mean(), sync_dist=True)
+        self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True)
 
     def on_validation_start(self) -> None:
         self._val_start = time.perf_counter()
@@ -250,6 +295,8 @@ class BenchModule(LightningModule):
         self.cluster = [dict(zip(keys, row.tolist())) for row in gathered]
 
     def configure_optimizers(self):
+        if self.hparams.task == "text":  # the language model trains as transformers do: AdamW
+            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
 
     def train_dataloader(self):

@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=0.9, help="the workers' SGD momentum")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--task", default="gaussian", choices=("gaussian", "digits"))
+    p.add_argument("--task", default="gaussian", choices=("gaussian", "digits", "text"))
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     p.add_argument("--progress", action="store_true", help="show Lightning's progress bar")
     p.add_argument("--out", required=True)

@@ -111,7 +111,10 @@ def test_the_slow_rank_gets_the_balanced_share_of_a_step_that_grows_with_its_bat
     # Rank 1's step is 3x (2 ms + 0.2 ms/sample): 2 + 0.2 n0 = 6 + 0.6 (32 - n0) balances at n0 = 29.
     last = [step for step in fast["steps"] if sum(step) == 32][-1]  # the last full global batch
     assert 27 <= last[0] <= 30, fast["changes"]
-    assert len(fast["changes"]) <= 5  # it settles: the hysteresis holds the split against noise
+    # It settles: once near the balance, the hysteresis holds the split there against noise (a sample either way).
+    shares = [change[2][0] for change in fast["changes"]]
+    near = next(i for i, n in enumerate(shares) if 27 <= n <= 30)
+    assert all(26 <= n <= 31 for n in shares[near:]) and len(shares) <= 8, fast["changes"]
 
 
 @pytest.mark.multiprocess

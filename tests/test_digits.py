@@ -39,7 +39,7 @@ def test_the_cnn_maps_a_batch_of_digits_to_ten_logits_and_has_no_buffers():
 
 
 def _run(acc: float, curve: list[tuple[float, float, float]], wall: float) -> dict:
-    return {"val_acc": acc, "curve": curve, "train_wall_s": wall, "samples_per_s": 1000.0 / wall}
+    return {"val_acc": acc, "val_loss": curve[-1][1], "curve": curve, "train_wall_s": wall, "samples_per_s": 1e3 / wall}
 
 
 def test_the_summary_gives_mean_and_spread_over_seeds_and_who_reached_the_target():
@@ -64,3 +64,34 @@ def test_the_summary_gives_mean_and_spread_over_seeds_and_who_reached_the_target
     oscars = summarize(runs)["configs"]["oscars"]
     assert oscars["time_to_target_median_s"] == pytest.approx(3.0) and oscars["time_to_target_mean_s"] is None
     assert oscars["time_to_target_vs_ddp"] == pytest.approx(7.5 / 3.0)
+
+
+def test_the_text_task_summary_targets_a_loss():
+    # Final losses 1.60 and 1.64: the target is their mean plus 0.02 nats per byte, reached at the first point below.
+    runs = {
+        "ddp": [_run(0.5, [(5.0, 1.8, 0.4), (9.0, 1.60, 0.5)], 10.0), _run(0.5, [(8.0, 1.64, 0.5)], 10.0)],
+        "oscars": [_run(0.5, [(2.0, 1.7, 0.4), (3.0, 1.63, 0.5)], 5.0), _run(0.5, [(4.0, 1.61, 0.5)], 5.0)],
+    }
+    summary = summarize(runs, "loss")
+    assert summary["target_loss"] == pytest.approx(1.64) and "target_acc" not in summary
+    ddp, oscars = summary["configs"]["ddp"], summary["configs"]["oscars"]
+    assert ddp["final_loss_mean"] == pytest.approx(1.62) and ddp["time_to_target_median_s"] == pytest.approx(8.5)
+    assert oscars["time_to_target_median_s"] == pytest.approx(3.5)
+    assert oscars["time_to_target_vs_ddp"] == pytest.approx(8.5 / 3.5)
+    assert any(row.startswith("| oscars | 1.6200 ± 0.0141 |") for row in table("1x/3x", summary))
+
+
+def test_the_text_task_is_pythons_sources_as_next_byte_windows_and_the_model_predicts_every_byte():
+    from benchmarks.task import ByteTransformer, load_text_split
+
+    train, test = load_text_split()
+    (x, y), (tx, _) = train.tensors, test.tensors
+    assert x.shape == (4096, 64) and tx.shape == (512, 64)
+    assert torch.equal(x[0, 1:], y[0, :-1]) and torch.equal(y[0, -1:], x[1, :1]), "the target is the next byte"
+    logits = ByteTransformer()(x[:3])
+    assert logits.shape == (3, 256, 64)
+    # Causal: changing a later byte leaves the predictions for the earlier positions as they were.
+    changed = x[:1].clone()
+    changed[0, 40] = (changed[0, 40] + 1) % 256
+    model = ByteTransformer()
+    assert torch.allclose(model(x[:1])[..., :40], model(changed)[..., :40], atol=1e-6)

@@ -67,3 +67,15 @@ def test_run_fraction_of_ideal_spans_the_records_training_time():
 def test_monitor_rejects_bad_interval():
     with pytest.raises(ValueError, match="log_every_n_rounds"):
         ScheduleMonitor(log_every_n_rounds=0)
+
+
+def test_per_rank_batch_sizes_reach_the_metrics_and_the_summary():
+    sized = dataclasses.replace(record(1, [3, 1], [0.1, 0.3], [0.3, 0.3]), batch_sizes=(64, 32))
+    metrics = round_metrics(sized, per_rank=True)
+    assert metrics["oscars/batch_size/rank0"] == 64 and metrics["oscars/batch_size/rank1"] == 32
+    assert round_metrics(sized, per_rank=False)["oscars/batch_size/max"] == 64
+    assert "batch size per rank: [64, 32]" in summarize_history([sized])
+    plain = record(1, [3, 1], [0.1, 0.3], [0.3, 0.3])  # one batch size for all: nothing per rank to show
+    assert not any("batch_size" in k for k in round_metrics(plain, per_rank=True))
+    assert "batch size" not in summarize_history([plain])
+    assert sized["batch_sizes"] == [64, 32] and plain["batch_sizes"] == []

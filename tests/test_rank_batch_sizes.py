@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_oscars.core.loader import LoadBalancedLoader, block_widths
+from lightning_oscars.core.loader import LoadBalancedLoader
 from lightning_oscars.core.partition import EpochPlan, planned_slots
-from lightning_oscars.core.quotas import steps_of, unit_quotas
+from lightning_oscars.core.quotas import block_widths, steps_of, unit_quotas
 
 
 def _trained(plan: EpochPlan, widths: tuple[int, ...]) -> list[int]:

@@ -3,6 +3,7 @@ real round histories of a benchmark run (committed results) and of a 2-rank fit 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -102,3 +103,13 @@ def test_the_command_draws_a_benchmark_run_picked_by_its_keys(tmp_path, capsys):
     assert image.shape[0] > 300 and image.shape[1] > 800
     with pytest.raises(ValueError, match="no round history found"):
         load_history(results, ["no-such-profile"])
+
+
+def test_per_rank_batch_sizes_label_the_lanes():
+    sized = [dataclasses.replace(r, batch_sizes=(64, 32)) for r in HISTORY]
+    assert round_spans([r.as_dict() for r in sized])[0].batch_sizes == (64, 32)
+    fig = plot_timeline(sized)
+    try:
+        assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["rank 1\nbatch 32", "rank 0\nbatch 64"]
+    finally:
+        plt.close(fig)

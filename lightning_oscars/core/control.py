@@ -151,6 +151,7 @@ class RoundRecord(Mapping[str, Any]):
         rebalanced: whether a new schedule was adopted at this averaging.
         round_cost: the fixed cost per round the solver prices (the all-reduce plus everything outside the busiest
             rank's local steps), a running median of the measured ones; 0 while none is measured.
+        batch_sizes: every rank's own batch size (``batch_sizes=``); empty: the DataLoader's on every rank.
     """
 
     round: int
@@ -164,6 +165,7 @@ class RoundRecord(Mapping[str, Any]):
     allreduce_time: float
     rebalanced: bool
     round_cost: float = 0.0
+    batch_sizes: tuple[int, ...] = ()
 
     @property
     def period(self) -> float:

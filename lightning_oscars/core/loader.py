@@ -30,7 +30,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from functools import reduce
 from typing import Any
 
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -40,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_oscars.core.deadline import DeadlinePacer
 from lightning_oscars.core.epoch_order import EpochOrder, training_set_size
 from lightning_oscars.core.partition import EpochPlan
+from lightning_oscars.core.quotas import block_widths
 from lightning_oscars.core.replicas import ReplicaLayout, replica_batches
 from lightning_oscars.core.slots import Blocks, SlotCursor, SlotInfo
 from lightning_oscars.core.warmup import WarmupGate
@@ -78,15 +78,6 @@ def inner_loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
         for key in ("prefetch_factor", "persistent_workers", "timeout"):
             kwargs.pop(key, None)
     return kwargs
-
-
-def block_widths(batch_sizes: Sequence[int]) -> tuple[int, tuple[int, ...]]:
-    """The block of samples per-rank batch sizes share (their greatest common divisor), and each rank's batch in
-    blocks: ``[64, 32]`` -> ``(32, (2, 1))``."""
-    if not batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
-        raise ValueError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
-    block = reduce(math.gcd, batch_sizes)
-    return block, tuple(b // block for b in batch_sizes)
 
 
 def _plan_batches(

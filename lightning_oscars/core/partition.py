@@ -41,7 +41,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from lightning_oscars.core.continuation import EpochContinuation
@@ -63,6 +62,7 @@ from lightning_oscars.core.reservations import (
     reservation_scale,
     segment_length,
 )
+from lightning_oscars.core.round_plan import Round
 
 __all__ = [
     "EpochPlan",
@@ -80,64 +80,6 @@ __all__ = [
     "unit_quotas",
     "validations_after_resize",
 ]
-
-
-@dataclass(frozen=True)
-class Round:
-    """One round: ``length`` slots from ``start_slot``; rank ``i`` trains ``quotas[i]`` units from position
-    ``first_unit``. In a ``deadline`` round the quotas are reservations until :meth:`EpochPlan.settle` replaces
-    them by what each rank trained; a ``warmup`` round is a deadline round whose slots the warm-up gate decides.
-    ``widths``: units per step of each rank (empty: one)."""
-
-    start_slot: int
-    length: int
-    quotas: tuple[int, ...]
-    first_unit: int
-    deadline: bool = False
-    warmup: bool = False
-    widths: tuple[int, ...] = ()
-
-    def width(self, rank: int) -> int:
-        return self.widths[rank] if self.widths else 1
-
-    def steps(self, rank: int) -> int:
-        """The real steps of ``rank`` in this round."""
-        return steps_of(self.quotas[rank], self.width(rank))
-
-    @property
-    def end_slot(self) -> int:
-        return self.start_slot + self.length
-
-    @property
-    def is_empty(self) -> bool:
-        return not any(self.quotas)
-
-    def real_offsets(self, rank: int) -> list[int]:
-        """The slots (offsets from ``start_slot``) in which ``rank`` trains: its quota spread evenly over the round,
-        the first at offset 0. Spread, not packed at the start, so that wherever the round is cut (validation or a
-        checkpoint averages mid-round) every rank has done about the same share of its round's work, and nobody
-        waits long at that extra averaging."""
-        steps = self.steps(rank)
-        return [k * self.length // steps for k in range(steps)]
-
-    def units_of(self, rank: int) -> list[int]:
-        """The units rank ``rank`` trains on, in order: one per slot of :meth:`real_offsets`, or with widths
-        :meth:`step_units`' runs one after the other."""
-        if self.quotas[rank] == 0:
-            return []
-        starts = [min(q, self.width(r)) for r, q in enumerate(self.quotas)]
-        first = self.first_unit + sum(starts[:rank])
-        rest = self.first_unit + sum(starts) + sum(q - s for q, s in zip(self.quotas[:rank], starts[:rank]))
-        return [*range(first, first + starts[rank]), *range(rest, rest + self.quotas[rank] - starts[rank])]
-
-    def step_units(self, rank: int) -> list[list[int]]:
-        """The units of each of ``rank``'s real steps, in order (one unit each without widths)."""
-        units, width = self.units_of(rank), self.width(rank)
-        return [units[k : k + width] for k in range(0, len(units), width)]
-
-    def units_through(self, rank: int, steps: int) -> list[int]:
-        """The units of ``rank``'s first ``steps`` real steps."""
-        return [p for run in self.step_units(rank)[:steps] for p in run]
 
 
 def plan_rounds(
@@ -320,28 +262,14 @@ class EpochPlan:
         elif shrink:
             needed = start_slot + planned_slots(local_steps, left, self.widths)
             self.total_slots = max(start_slot, min(self.total_slots, needed))
+        units, boundaries, widths = self.total_units, self.boundary_slots(), self.widths
         rounds = plan_rounds(
-            local_steps,
-            self.total_units,
-            self.total_slots,
-            start_slot,
-            first_unit,
-            reserve,
-            None,
-            self.boundary_slots(),
-            self.widths,
+            local_steps, units, self.total_slots, start_slot, first_unit, reserve, None, boundaries, widths
         )
         if reserve is not None and not any(r.deadline for r in rounds):  # the plain tail: its end is known
             self.total_slots = max(start_slot, min(self.total_slots, start_slot + planned_slots(local_steps, left)))
-            rounds = plan_rounds(
-                local_steps,
-                self.total_units,
-                self.total_slots,
-                start_slot,
-                first_unit,
-                boundaries=self.boundary_slots(),
-                widths=self.widths,
-            )
+            boundaries = self.boundary_slots()  # of the epoch's new length
+            rounds = plan_rounds(local_steps, units, self.total_slots, start_slot, first_unit, boundaries=boundaries)
         self._rounds[index:] = rounds
         self._starts = [r.start_slot for r in self._rounds]
         self.version += 1

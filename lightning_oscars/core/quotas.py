@@ -14,8 +14,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import reduce
 
-__all__ = ["max_epoch_slots", "planned_slots", "round_quotas", "split_proportionally", "steps_of", "unit_quotas"]
+__all__ = [
+    "block_widths",
+    "max_epoch_slots",
+    "planned_slots",
+    "round_quotas",
+    "split_proportionally",
+    "steps_of",
+    "unit_quotas",
+    "within_spread",
+]
 
 
 def split_proportionally(weights: Sequence[float], total: int, caps: Sequence[int], floors: Sequence[int]) -> list[int]:
@@ -95,6 +105,27 @@ def round_quotas(
         target = remaining_units if sum(quotas) > remaining_units else needed
         quotas = split_proportionally([float(t) for t in local_steps], target, caps, floors)
     return quotas
+
+
+def block_widths(batch_sizes: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    """The block of samples per-rank batch sizes share (their greatest common divisor), and each rank's batch in
+    blocks: ``[64, 32]`` -> ``(32, (2, 1))``."""
+    if not batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
+    block = reduce(math.gcd, batch_sizes)
+    return block, tuple(b // block for b in batch_sizes)
+
+
+def within_spread(local_steps: tuple[int, ...], spread: int | None) -> tuple[int, ...]:
+    """``local_steps`` within ``spread`` of the fewest (``None``: as they are). In lockstep (a spread of 0) every rank
+    takes the busiest rank's steps: ranks wait for each other at every step anyway, so a round lasts as long as the
+    schedule's rounds and its meeting is paid as rarely."""
+    if spread is None or not local_steps:
+        return local_steps
+    if spread == 0:
+        return (max(local_steps),) * len(local_steps)
+    most = min(local_steps) + spread
+    return tuple(min(t, most) for t in local_steps)
 
 
 def steps_of(quota: int, width: int) -> int:

@@ -26,6 +26,7 @@ from lightning_oscars.core.deadline_planner import DeadlinePlanner
 from lightning_oscars.core.ledger import MEDIAN_ERROR, RoundLedger, RoundOutcome, step_jitter
 from lightning_oscars.core.partition import EpochPlan
 from lightning_oscars.core.policy import SchedulePolicy
+from lightning_oscars.core.quotas import block_widths, within_spread
 from lightning_oscars.core.slots import SlotInfo, ends_slot
 from lightning_oscars.core.timing import LapClock, StepTimeEstimator, WallClock
 from lightning_oscars.core.warmup import WarmupGate
@@ -45,8 +46,7 @@ class RoundController:
         deadline: deadline rounds (``deadline.py``) once a schedule is solved; :attr:`pacer` decides the slots.
         warmup_gate: time-box the warm-up round (``warmup.py``): faster ranks train until the slowest has taken its
             warm-up steps. Without it every rank takes exactly ``warmup_steps``.
-        widths: the units each rank trains per step (per-rank batch sizes, ``quotas.py``); ``None``: one each. Plain
-            rounds only: not with ``deadline`` or ``warmup_gate``.
+        batch_sizes: every rank's own batch size (``None``: the loader's): widths of units per step (``quotas.py``).
         clock: measures local steps (host wall clock by default; CUDA events on a GPU).
         now: wall clock for the record's ``time``.
     """
@@ -64,15 +64,12 @@ class RoundController:
         warmup_gate: WarmupGate | None = None,
         clock: LapClock | None = None,
         now: Callable[[], float] = time.perf_counter,
-        widths: Sequence[int] | None = None,
+        batch_sizes: Sequence[int] | None = None,
     ) -> None:
         if not (0 <= rank < world_size and 0 <= member < replica_size):
             raise ValueError(f"rank {rank} (member {member}) outside {world_size} replicas of {replica_size} ranks")
-        if widths is not None and len(widths) != world_size:
-            raise ValueError(f"widths {list(widths)} do not have {world_size} entries, one per rank")
-        if widths is not None and (deadline or warmup_gate is not None):
-            raise ValueError("per-rank widths apply to plain rounds only: not with deadline rounds or a timed warm-up")
-        self.widths = tuple(widths) if widths is not None else None
+        self.batch_sizes = tuple(batch_sizes) if batch_sizes is not None else None
+        self.widths = block_widths(batch_sizes)[1] if batch_sizes is not None else None
         policy.widths = self.widths
         self.policy = policy
         self.world_size, self.rank, self.member, self.replica_size = world_size, rank, member, replica_size
@@ -130,16 +127,8 @@ class RoundController:
 
     @property
     def local_steps(self) -> tuple[int, ...]:
-        """The schedule's local steps, within :attr:`step_spread` of the fewest. In lockstep (a spread of 0) every
-        rank takes the busiest rank's steps: ranks wait for each other at every step anyway, so a round lasts as
-        long as the schedule's rounds and its meeting is paid as rarely."""
-        steps = self.policy.local_steps
-        if self.step_spread is None or not steps:
-            return steps
-        if self.step_spread == 0:
-            return (max(steps),) * len(steps)
-        most = min(steps) + self.step_spread
-        return tuple(min(t, most) for t in steps)
+        """The schedule's local steps, within :attr:`step_spread` of the fewest (:func:`within_spread`)."""
+        return within_spread(self.policy.local_steps, self.step_spread)
 
     @property
     def deadline_round(self) -> DeadlineRound | None:
@@ -332,6 +321,7 @@ class RoundController:
             allreduce_time=ledger.allreduce_time,
             rebalanced=rebalanced,
             round_cost=ledger.round_cost,
+            batch_sizes=self.batch_sizes or (),
         )
         ledger.history.append(record)
         resized = self._replan(rebalanced, next_slot, tuple(r.units for r in summed.ranks))
@@ -402,8 +392,8 @@ class RoundController:
         self.ledger.load_state_dict(state)
         self.policy.load_state_dict(state, self.ledger.round_cost)
         plan = state.get("plan")
-        if plan is None or plan["total_units"] != total_units:
-            return None
+        if plan is None or plan["total_units"] != total_units or tuple(plan.get("widths") or ()) != (self.widths or ()):
+            return None  # another epoch size, or other batch sizes: the epoch is planned afresh
         self.plan = EpochPlan.from_state_dict(self.world_size, plan)
         self.planned_epoch = int(state["plan_epoch"])
         self._round_units = self.plan.progress[self.rank]

@@ -35,6 +35,7 @@ class RoundSpan:
     compute: tuple[float, ...]  # per rank: its real steps' seconds
     steps: tuple[int, ...]  # per rank: the local steps in force
     rebalanced: bool
+    batch_sizes: tuple[int, ...] = ()  # per rank: its own batch size (per-rank batch sizes); empty: one for all
 
     @property
     def busiest(self) -> float:
@@ -60,7 +61,8 @@ def round_spans(history: Sequence[Mapping[str, Any]]) -> list[RoundSpan]:
         # A round never starts before its busiest rank could have begun (clock skew, excluded validation time).
         start = min(start, end - busiest)
         steps = tuple(int(s) for s in record["local_steps"])
-        spans.append(RoundSpan(int(record["round"]), start, end, compute, steps, bool(record.get("rebalanced"))))
+        sizes = tuple(int(b) for b in record.get("batch_sizes") or ())
+        spans.append(RoundSpan(int(record["round"]), start, end, compute, steps, bool(record.get("rebalanced")), sizes))
         previous = end
     return spans
 
@@ -133,7 +135,9 @@ def _draw_lanes(lanes: Any, spans: Sequence[RoundSpan], ranks: int) -> None:
                 lanes.text(span.start + compute / 2, ranks - 1 - rank, label, ha="center", va="center", fontsize=7)
         if span.rebalanced:
             lanes.axvline(span.end, color=_COLORS["rebalanced"], linewidth=1.0, linestyle="--")
-    lanes.set_yticks(range(ranks), [f"rank {ranks - 1 - y}" for y in range(ranks)])
+    sizes = spans[-1].batch_sizes
+    names = [f"rank {r}" + (f"\nbatch {sizes[r]}" if len(sizes) == ranks else "") for r in range(ranks)]
+    lanes.set_yticks(range(ranks), names[::-1])
     lanes.set_ylim(-0.6, ranks - 0.4)
 
 

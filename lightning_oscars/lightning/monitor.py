@@ -44,6 +44,8 @@ def round_metrics(record: RoundRecord, per_rank: bool, prefix: str = "oscars/", 
         "idle_s": record.idle_times,
         "utilization": record.rank_utilization,
     }
+    if record.batch_sizes:  # per-rank batch sizes: each rank's own
+        series["batch_size"] = record.batch_sizes
     for name, values in series.items():
         if per_rank:
             for rank, value in enumerate(values):
@@ -87,6 +89,7 @@ def summarize_history(history: Sequence[RoundRecord], name: str = "oscars") -> s
         f"{name}: {len(history)} rounds, {rebalances} schedule changes ({per_100:.1f} per 100 rounds),"
         f" {run_fraction_of_ideal(history):.1%} of ideal throughput",
         f"  final tau per rank: {_short(list(last.local_steps))}",
+        *([f"  batch size per rank: {_short(list(last.batch_sizes))}"] if last.batch_sizes else []),
         f"  final step time per rank (ms): {_short([round(1e3 * t, 2) for t in last.step_times])}",
         f"  idle per rank (s, total): {_short([round(t, 2) for t in idle])}",
         f"  averaging all-reduce: {allreduce:.2f} s total, {1e3 * allreduce / len(history):.2f} ms per round",

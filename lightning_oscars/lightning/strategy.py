@@ -297,7 +297,9 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
         scheme = ModelAveraging()
         every_step = SchedulePolicy("uniform", max_local_steps=1)
         place = self._layout.place(self.global_rank)
-        rounds = RoundController(every_step, **place, clock=make_clock(self.root_device), widths=session.rounds.widths)
+        rounds = RoundController(
+            every_step, **place, clock=make_clock(self.root_device), batch_sizes=session.rounds.batch_sizes
+        )
         rounds.begin_fit(trainer.max_steps)
         self._session = self._make_session(scheme, rounds, on_training_end=self._end_tuner_run)
         if session.loader is not None:

@@ -11,7 +11,6 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_oscars.core.batch_shares import resolve_batch_sizes
-from lightning_oscars.core.loader import block_widths
 from lightning_oscars.core.policy import SchedulePolicy, Solver
 from lightning_oscars.core.replicas import ReplicaLayout
 from lightning_oscars.core.rounds import RoundController
@@ -238,9 +237,14 @@ class OscarsOptions:
         ``batch_sizes`` (resolved, one per rank) a rank's step trains its own batch size: the round's average is
         weighted by samples, and the warm-up is not time-boxed (its round hands out single units)."""
         layout = layout or ReplicaLayout(world_size)
-        widths = block_widths(batch_sizes)[1] if batch_sizes is not None else None
         gate = None
-        if self.timed_warmup and counter is not None and world_size > 1 and layout.replica_size == 1 and not widths:
+        if (
+            self.timed_warmup
+            and counter is not None
+            and world_size > 1
+            and layout.replica_size == 1
+            and not batch_sizes
+        ):
             gate = WarmupGate(world_size, counter)
         return RoundController(
             policy,
@@ -249,7 +253,7 @@ class OscarsOptions:
             deadline=self.deadline_rounds,
             warmup_gate=gate,
             clock=clock,
-            widths=widths,
+            batch_sizes=batch_sizes,
         )
 
     def rank_batch_sizes(self, strategy: ParallelStrategy) -> list[int] | None:
