@@ -4,7 +4,8 @@ first feature, unique in the blobs), the size of every batch it trained, every s
 raised.
 
 Usage: python tests/batch_case.py SPEC_JSON OUT_DIR, where SPEC is a list of fits, each a dict:
-  name, strategy ("ddp" or OscarsStrategy options), model ("plain": no BatchNorm, or "bn"), n (samples), epochs,
+  name, strategy ("ddp" or OscarsStrategy options), model ("plain": no BatchNorm, "bn", or "frozen": the plain MLP
+  with its first layer frozen and an output scale that no optimizer owns), n (samples), epochs,
   batch_size, slow (rank 1's slowdown, 1 = none), max_steps, save_every (steps between checkpoints, written under
   OUT/NAME/ckpt; save_epoch: at every epoch's end), precision, resume (the name of an earlier fit whose last
   checkpoint this one resumes from), accumulate, validate (twice per epoch, metrics logged with sync_dist), csv
@@ -41,17 +42,29 @@ class RecordingModule(ToyModule):
     """The toy task, recording the samples each epoch trained; ``plain``: an MLP without BatchNorm (whose steps
     then depend only on the global batch, as ddp's)."""
 
-    def __init__(self, plain: bool, n: int, batch_size: int, step_cost: float, per_sample: float, slow: float) -> None:
+    def __init__(self, model: str, n: int, batch_size: int, step_cost: float, per_sample: float, slow: float) -> None:
         super().__init__(lr=0.05, step_cost=step_cost, n=n, batch_size=batch_size)
         self.per_sample, self.slow = per_sample, slow
-        if plain:
+        if model in ("plain", "frozen"):
             self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        # "frozen": a layer that takes no gradient, and a parameter that takes one but that no optimizer steps
+        self.scale = nn.Parameter(torch.ones(4)) if model == "frozen" else None
+        if model == "frozen":
+            self.net[0].requires_grad_(False)
         self.trained: dict[int, list[float]] = {}
         self.lengths: list[int] = []  # every real batch's size
         self.validations = 0
 
     def on_validation_end(self) -> None:
         self.validations += 1
+
+    def forward(self, x):
+        logits = self.net(x)
+        return logits if self.scale is None else logits * self.scale
+
+    def configure_optimizers(self):
+        owned = [p for name, p in self.named_parameters() if p.requires_grad and name != "scale"]
+        return torch.optim.SGD(owned, lr=self.lr, momentum=0.9)
 
     def training_step(self, batch, batch_idx):
         self.trained.setdefault(self.current_epoch, []).extend(batch[0][:, 0].tolist())
@@ -83,7 +96,7 @@ def run_fit(spec: dict[str, Any], out: Path) -> None:
     target = out / name
     target.mkdir(parents=True, exist_ok=True)
     module = RecordingModule(
-        plain=spec.get("model", "plain") == "plain",
+        model=spec.get("model", "plain"),
         n=spec.get("n", 512),
         batch_size=spec.get("batch_size", 16),
         step_cost=spec.get("step_cost", 0.002),

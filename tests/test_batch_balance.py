@@ -43,6 +43,9 @@ FITS = [
     {"name": "batch_epoch", "strategy": BATCH, "slow": 3, "epochs": 1, "save_epoch": True},
     {"name": "steps_from_batch", "strategy": {"warmup_steps": 2}, "slow": 3, "epochs": 2, "resume": "batch_epoch"},
     {"name": "steps_sizes", "strategy": SIZES, "slow": 3},
+    {"name": "ddp_frozen", "strategy": "ddp", "model": "frozen"},
+    {"name": "batch_frozen", "strategy": BATCH, "model": "frozen", "slow": 3},
+    {"name": "steps_sizes_frozen", "strategy": SIZES, "model": "frozen", "slow": 3},
     {
         "name": "steps_sizes_bn",
         "strategy": {"warmup_steps": 2, "batch_sizes": [24, 16]},
@@ -82,7 +85,9 @@ def _no_error(*fits: list[dict]) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("ddp", "batch"), [("ddp", "batch"), ("ddp_accumulated", "batch_accumulated")])
+@pytest.mark.parametrize(
+    ("ddp", "batch"), [("ddp", "batch"), ("ddp_accumulated", "batch_accumulated"), ("ddp_frozen", "batch_frozen")]
+)
 def test_batch_balance_trains_to_ddps_weights_with_unequal_shares(fits, ddp, batch):
     _no_error(fits[ddp], fits[batch])
     fast, slow = fits[batch]
@@ -95,7 +100,18 @@ def test_batch_balance_trains_to_ddps_weights_with_unequal_shares(fits, ddp, bat
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "name", ["batch", "batch_accumulated", "batchnorm", "bf16", "caps", "steps_sizes", "steps_sizes_bn"]
+    "name",
+    [
+        "batch",
+        "batch_accumulated",
+        "batchnorm",
+        "bf16",
+        "caps",
+        "batch_frozen",
+        "steps_sizes",
+        "steps_sizes_bn",
+        "steps_sizes_frozen",
+    ],
 )
 def test_every_sample_is_trained_once_per_epoch_and_every_rank_ends_identical(fits, name):
     _no_error(fits[name])
@@ -196,3 +212,14 @@ def test_under_local_steps_each_rank_trains_its_own_batch_size_and_the_fast_rank
     # Rank 0: 2 ms + 0.2 ms x 32 = 8.4 ms per step; rank 1: (2 + 0.2 x 16) x 3 = 15.6 ms: balanced rounds give rank 0
     # about 1.9x the steps of twice the batch (3.7x the samples); equal steps would give it 2x.
     assert fast >= 2.5 * slow, (fast, slow)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["batch_frozen", "steps_sizes_frozen"])
+def test_a_frozen_layer_stays_as_initialised_and_a_parameter_no_optimizer_owns_is_never_stepped(fits, name):
+    _no_error(fits[name])
+    initial = fits["ddp_frozen"][0]  # the same seed: the same initial weights, which ddp also leaves these at
+    for rank in fits[name]:
+        for key in ("net.0.weight", "net.0.bias", "scale"):
+            assert rank["state"][key] == initial["state"][key], key
+        assert rank["state"]["net.2.weight"] != initial["state"]["net.2.weight"]  # the rest trained

@@ -26,7 +26,7 @@ from lightning_oscars.core.batch_shares import BatchKey, ShareSchedule, share_sp
 from lightning_oscars.core.epoch_order import EpochOrder
 from lightning_oscars.core.loader import EpochSampler, inner_loader_kwargs
 
-__all__ = ["ShareLoader", "epoch_batches"]
+__all__ = ["ShareLoader", "epoch_batches", "rank_batch_size"]
 
 
 def epoch_batches(samples: int, total: int, world: int, drop_last: bool) -> list[tuple[int, int]]:
@@ -75,6 +75,16 @@ class _LazyEpoch:
         return next(self._inner)
 
 
+def rank_batch_size(dataloader: DataLoader) -> int:
+    """The user's per-rank ``batch_size`` (ddp's), which batch balancing needs: a clear error without one."""
+    if dataloader.batch_size is None:
+        raise ValueError(
+            "balance='batch' needs the training DataLoader's batch_size (each rank's, as under ddp); a custom"
+            " batch_sampler is not supported. Pass batch_size=... (and drop_last) to the DataLoader instead."
+        )
+    return int(dataloader.batch_size)
+
+
 class ShareLoader:
     """Wraps the user's training ``DataLoader`` for batch balancing; see the module docstring.
 
@@ -86,13 +96,8 @@ class ShareLoader:
     """
 
     def __init__(self, dataloader: DataLoader, rank: int, world_size: int, order: EpochOrder, schedule: ShareSchedule):
-        if dataloader.batch_size is None:
-            raise ValueError(
-                "balance='batch' needs the training DataLoader's batch_size (each rank's, as under ddp); a custom"
-                " batch_sampler is not supported. Pass batch_size=... (and drop_last) to the DataLoader instead."
-            )
         self.dataset = dataloader.dataset
-        self.batch_size = int(dataloader.batch_size)
+        self.batch_size = rank_batch_size(dataloader)
         self.drop_last = bool(dataloader.drop_last)
         self.rank, self.world_size = rank, world_size
         self.order, self.schedule = order, schedule

@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from lightning_oscars.core.batch_shares import BatchKey, ShareBalancer, ShareSchedule, resolve_batch_sizes
 from lightning_oscars.core.epoch_order import EpochOrder, training_set_size
-from lightning_oscars.core.share_loader import ShareLoader
+from lightning_oscars.core.share_loader import ShareLoader, rank_batch_size
 from lightning_oscars.dist.batch_weighting import StepSync, WaitTimer, share_weight
 from lightning_oscars.lightning import _internals as internals
 
@@ -139,12 +139,7 @@ class BatchBalanceSession:
         strategy = self.strategy
         world, rank = strategy.world_size, strategy.global_rank
         order = EpochOrder.of(internals.unwrap_sampler(dataloader.sampler), training_set_size(dataloader), self.seed)
-        if dataloader.batch_size is None:
-            raise ValueError(
-                "balance='batch' needs the training DataLoader's batch_size (each rank's, as under ddp); a custom"
-                " batch_sampler is not supported. Pass batch_size=... (and drop_last) to the DataLoader instead."
-            )
-        total = int(dataloader.batch_size) * world
+        total = rank_batch_size(dataloader) * world
         if self.schedule is None or self.schedule.total != total:
             self._plan(total, world)
         assert self.schedule is not None
@@ -279,7 +274,8 @@ class BatchBalanceSession:
 
 
 class _BatchCallback(Callback):
-    """Tells the session which batch runs, and where the measuring must pause."""
+    """Tells the session which batch runs, and where the measuring must pause (a checkpoint write pauses it in the
+    strategy's ``save_checkpoint``)."""
 
     def __init__(self, session: BatchBalanceSession) -> None:
         self.session = session
@@ -298,10 +294,6 @@ class _BatchCallback(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.session.pause()
-
-    @override
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self.session.pause()
 
 

@@ -57,7 +57,7 @@ _NOT_SERVED = {
     " local_sgd",
     "replica_spans_nodes": "it configures replica_size, which a paradigm does not take",
     "balance": "a paradigm balances by local steps on deadline rounds; balance='batch' is oscars' synchronous mode",
-    "batch_sizes": "per-rank batch sizes come with balance='batch', which a paradigm does not take",
+    "batch_sizes": "per-rank batch sizes need plain rounds, and a paradigm trains on deadline rounds",
 }
 # Options the parameter-server paradigms cannot serve on top of those.
 _NOT_SERVED_ON_THE_SERVER = {
