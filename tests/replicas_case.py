@@ -35,6 +35,8 @@ FITS: dict[str, tuple[str, dict, dict]] = {
     "mlp": ("mlp", {"replica_size": 2}, {"max_epochs": 2, "limit_val_batches": 1.0}),
     "batchnorm_accumulate": ("batchnorm", {"replica_size": 2}, {"max_epochs": 1, "accumulate_grad_batches": 2}),
     "frozen_local_sgd": ("frozen", {"replica_size": 2, "solver": "uniform", "max_local_steps": 3}, {"max_epochs": 1}),
+    # a batch size per replica (its ranks agree): replica 0 on 12 per rank, replica 1 on 4
+    "replica_sizes": ("mlp", {"replica_size": 2, "batch_sizes": [12, 12, 4, 4]}, {"max_epochs": 1}),
 }
 
 
@@ -51,6 +53,7 @@ class IndexedModule(L.LightningModule):
         super().__init__()
         self.net = make_net(model)
         self.trained: dict[int, list[int]] = {}  # epoch -> indices of the samples this rank trained on
+        self.lengths: list[int] = []  # every real batch's size
         # global step -> digest of the parameters after it (real steps only). Not the buffers: DDP makes a replica's
         # buffers its first rank's at the start of each forward, and each rank's BatchNorm then updates its own.
         self.after_step: dict[int, str] = {}
@@ -60,6 +63,8 @@ class IndexedModule(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y, index = batch
         self.trained.setdefault(self.current_epoch, []).extend(index.tolist())
+        if len(index):
+            self.lengths.append(len(index))
         time.sleep(STEP_COST_S)
         return nn.functional.cross_entropy(self.net(x), y)
 
@@ -109,6 +114,7 @@ def outcome(module: IndexedModule, fitted: L.Trainer) -> dict:
         "weights": digest(module.net),
         "after_step": {str(step): d for step, d in module.after_step.items()},
         "trained": {str(epoch): indices for epoch, indices in module.trained.items()},
+        "lengths": module.lengths,
         "validated": module.validated,
         "local_steps": [list(r.local_steps) for r in strategy.history],
         "samples": [list(r.samples) for r in strategy.history],

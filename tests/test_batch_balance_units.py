@@ -137,7 +137,6 @@ def test_the_wait_timer_times_collectives_of_its_thread_once(gloo):  # noqa: F81
     ("options", "message"),
     [
         ({"balance": "bytes"}, "balance must be 'steps' or 'batch'"),
-        ({"batch_sizes": [16, 8], "replica_size": 2}, "batch_sizes cannot be combined with replica_size=2"),
         ({"batch_sizes": [16, 8], "deadline_rounds": True}, "batch_sizes cannot be combined with deadline_rounds"),
         ({"batch_sizes": [16, 0]}, "at least 1"),
         ({"balance": "batch", "batch_sizes": [16, 0]}, "at least 1"),

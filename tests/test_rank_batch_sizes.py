@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_oscars.core.loader import LoadBalancedLoader
 from lightning_oscars.core.partition import EpochPlan, planned_slots
 from lightning_oscars.core.quotas import block_widths, steps_of, unit_quotas
+from lightning_oscars.core.replicas import ReplicaLayout, replica_batch_sizes
 
 
 def _trained(plan: EpochPlan, widths: tuple[int, ...]) -> list[int]:
@@ -103,3 +104,42 @@ def test_the_loader_fetches_each_ranks_own_batch_size_and_every_sample_once(accu
     assert sorted(seen) == list(range(203))
     for rank, size in enumerate(sizes):
         assert max(lengths[rank]) == size and sum(n != size for n in lengths[rank]) <= 2 * accumulate
+
+
+def test_replicas_take_one_batch_size_each_and_their_ranks_must_agree():
+    layout = ReplicaLayout(4, 2)
+    assert replica_batch_sizes([32, 32, 16, 16], layout) == [32, 16]
+    with pytest.raises(ValueError, match=r"ranks \[2, 3\] of one replica the sizes \[16, 8\]"):
+        replica_batch_sizes([32, 32, 16, 8], layout)
+
+
+def test_a_replicas_ranks_each_train_the_replicas_batch_size_and_every_sample_once():
+    data = TensorDataset(torch.arange(300))
+    layout, sizes, steps = ReplicaLayout(4, 2), [24, 8], (2, 3)  # per rank: replica 0 on 24, replica 1 on 8
+    seen: list[int] = []
+    lengths: dict[int, list[int]] = {rank: [] for rank in range(4)}
+    for rank in range(4):
+        loader = LoadBalancedLoader(
+            DataLoader(data, batch_size=4),
+            layout.replica_of(rank),
+            layout.replicas,
+            shuffle=True,
+            seed=2,
+            replica_size=2,
+            member=layout.member_of(rank),
+            batch_sizes=sizes,
+        )
+        assert loader.batch_size == 8 and loader.widths == (3, 1)
+        total = loader.total_units
+        plan = EpochPlan(2, total, planned_slots(steps, total, loader.widths), steps, widths=loader.widths)
+        loader.start_epoch(plan, 0, None)
+        iterator = iter(loader)
+        for _ in range(plan.total_slots):
+            (batch,) = next(iterator)
+            if loader.take_slot().real:
+                seen += batch.tolist()
+                lengths[rank].append(len(batch))
+    assert sorted(seen) == list(range(300))
+    assert lengths[0] == lengths[1] and lengths[2] == lengths[3], "a replica's ranks step together on equal parts"
+    for rank, size in enumerate([24, 24, 8, 8]):
+        assert max(lengths[rank]) == size and sum(n != size for n in lengths[rank]) <= 2

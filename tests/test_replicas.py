@@ -277,3 +277,17 @@ def test_a_stop_asked_by_one_rank_of_a_replica_stops_every_rank_at_one_round_bou
     assert len(trained) == len(set(trained)), "no sample twice"
     full = results[0]["mlp"]["global_step"]  # the same model and layout, 2 epochs, no stop
     assert ranks[0]["global_step"] <= full / 2
+
+
+@pytest.mark.multiprocess
+def test_each_replica_trains_its_own_batch_size(results: list[dict[str, dict]]):
+    ranks = [r["replica_sizes"] for r in results]
+    for rank, size in zip(ranks, [12, 12, 4, 4]):
+        *steps, last = rank["lengths"]
+        assert steps and set(steps) == {size}, rank["lengths"]
+        # the epoch's last step: fewer where the epoch ran out, one more where the leftover sample (65 = 8 x 8 + 1)
+        # joined the last batch
+        assert 1 <= last <= size + 1, rank["lengths"]
+    assert len(ranks[0]["lengths"]) == len(ranks[1]["lengths"]), "a replica's ranks step together"
+    assert len(ranks[2]["lengths"]) == len(ranks[3]["lengths"]), "a replica's ranks step together"
+    assert sum(sum(rank["lengths"]) for rank in ranks) == SAMPLES

@@ -83,11 +83,11 @@ def inner_loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
 def _plan_batches(
     batch_size: int, batch_sizes: Sequence[int] | None, world_size: int, replica_size: int
 ) -> tuple[int, tuple[int, ...] | None]:
-    """The samples of one of the plan's batches (before replicas), and each rank's batch in them (``None``: one)."""
+    """The samples per rank of one of the plan's batches, and each replica's batch in them (``None``: one)."""
     if batch_sizes is None:
         return batch_size, None
-    if len(batch_sizes) != world_size or replica_size != 1:
-        raise ValueError(f"batch sizes {list(batch_sizes)} for {world_size} ranks of one rank per replica")
+    if len(batch_sizes) != world_size:
+        raise ValueError(f"batch sizes {list(batch_sizes)} for {world_size} replicas of {replica_size} ranks")
     block, widths = block_widths(batch_sizes)
     return block, widths if any(w != 1 for w in widths) else None
 
@@ -131,7 +131,7 @@ class LoadBalancedLoader:
         order: the epoch order (see :class:`EpochOrder`); overrides ``shuffle`` and ``seed``.
         replica_size, member: the ranks per replica and this rank's place in its replica (``replicas.py``): the
             plan's batches are replica batches of ``replica_size`` user batches, of which this rank fetches its part.
-        batch_sizes: every rank's own batch size (instead of the loader's ``batch_size``), one rank per replica.
+        batch_sizes: every replica's own batch size per rank (instead of the loader's ``batch_size``).
     """
 
     def __init__(

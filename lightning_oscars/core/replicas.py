@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
-__all__ = ["Place", "ReplicaLayout", "replica_batches"]
+__all__ = ["Place", "ReplicaLayout", "replica_batch_sizes", "replica_batches"]
 
 
 class Place(TypedDict):
@@ -114,6 +114,24 @@ class ReplicaLayout:
                         " divides the ranks per node (or 'node'), or pass replica_spans_nodes=True if you mean it."
                     )
         return layout
+
+
+def replica_batch_sizes(sizes: Sequence[int], layout: ReplicaLayout) -> list[int]:
+    """Each replica's batch size per rank from every rank's (``batch_sizes=``): the ranks of a replica step together
+    on one batch split evenly among them, so they must have the same size."""
+    if len(sizes) != layout.world_size:
+        raise ValueError(f"{len(sizes)} batch sizes for a world of {layout.world_size} ranks")
+    per_replica = []
+    for replica in range(layout.replicas):
+        ranks = layout.ranks_of(replica)
+        mine = {sizes[r] for r in ranks}
+        if len(mine) > 1:
+            raise ValueError(
+                f"batch_sizes gives the ranks {ranks} of one replica the sizes {[sizes[r] for r in ranks]}: a replica's"
+                " ranks step together on one batch split evenly among them, so give them the same size"
+            )
+        per_replica.append(sizes[ranks[0]])
+    return per_replica
 
 
 def replica_batches(num_samples: int, batch_size: int, replica_size: int, drop_last: bool) -> int:

@@ -258,7 +258,7 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
             return self._begin_batch_fit(trainer)
         scheme = self.make_scheme()
         store = default_store_or_none()
-        sizes = self.rank_batch_sizes(self)
+        sizes = self.rank_batch_sizes(self, self._layout)
         rounds = self.make_rounds(
             self.make_policy(),
             self.world_size,

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_oscars.core.batch_shares import resolve_batch_sizes
 from lightning_oscars.core.policy import SchedulePolicy, Solver
-from lightning_oscars.core.replicas import ReplicaLayout
+from lightning_oscars.core.replicas import ReplicaLayout, replica_batch_sizes
 from lightning_oscars.core.rounds import RoundController
 from lightning_oscars.core.solver import DEFAULT_MAX_SPREAD
 from lightning_oscars.core.timing import LapClock
@@ -98,11 +98,6 @@ def check_balance(o: Mapping[str, Any]) -> None:
         raise ValueError(f"balance must be 'steps' or 'batch', got {o['balance']!r}")
     sizes = o["batch_sizes"]
     if sizes is not None:
-        if o["balance"] == "steps" and o["replica_size"] != 1:
-            raise ValueError(
-                f"batch_sizes cannot be combined with replica_size={o['replica_size']!r}: the ranks of a replica"
-                " step together on one batch split evenly among them"
-            )
         if o["balance"] == "steps" and o["deadline_rounds"]:
             raise ValueError(
                 "batch_sizes cannot be combined with deadline_rounds: a deadline round hands a rank's unreached"
@@ -256,13 +251,14 @@ class OscarsOptions:
             batch_sizes=batch_sizes,
         )
 
-    def rank_batch_sizes(self, strategy: ParallelStrategy) -> list[int] | None:
-        """Every rank's batch size under ``balance="steps"`` from ``batch_sizes`` (a collective on every rank when
-        given by device name); ``None``: the DataLoader's ``batch_size`` everywhere."""
+    def rank_batch_sizes(self, strategy: ParallelStrategy, layout: ReplicaLayout) -> list[int] | None:
+        """Every replica's batch size (per rank) under ``balance="steps"`` from ``batch_sizes`` (a collective on
+        every rank when given by device name); ``None``: the DataLoader's ``batch_size`` everywhere."""
         if self.batch_sizes is None or self.balance != "steps":
             return None
         names = rank_device_names(strategy, isinstance(self.batch_sizes, dict))
-        return resolve_batch_sizes(self.batch_sizes, strategy.world_size, names)
+        sizes = resolve_batch_sizes(self.batch_sizes, strategy.world_size, names)
+        return None if sizes is None else replica_batch_sizes(sizes, layout)
 
     def make_policy(self) -> SchedulePolicy:
         """A fresh schedule policy for one fit."""
