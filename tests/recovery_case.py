@@ -22,6 +22,8 @@ recovery point.
 * ``OSCARS_TEST_MODEL``: ``mlp`` (default), ``batchnorm`` or ``frozen`` (its first layer frozen).
 * ``OSCARS_TEST_SLOWDOWN``: how much slower rank 1 is (default 3; 1: equal speeds).
 * ``OSCARS_TEST_VALIDATE=1``: validate twice an epoch (metrics logged with ``sync_dist``).
+* ``OSCARS_TEST_BALANCE=batch``: ``balance="batch"`` (ddp's synchronous steps); ``OSCARS_TEST_ACCUMULATE=N``: the
+  Trainer's ``accumulate_grad_batches``.
 * ``OSCARS_TEST_CHECKPOINT_EVERY=N``: a ``ModelCheckpoint`` saves every N steps (the fit still gets no ``ckpt_path``),
   keeping the best 2 by ``val_loss`` when validating.
 
@@ -213,6 +215,7 @@ def main() -> None:
             timeout=timeout,
             replica_size=int(env.get("OSCARS_TEST_REPLICA_SIZE", "1")),
             deadline_rounds=env.get("OSCARS_TEST_DEADLINE") == "1",
+            balance=env.get("OSCARS_TEST_BALANCE", "steps"),
         )
     trainer = L.Trainer(
         strategy=strategy,
@@ -220,6 +223,7 @@ def main() -> None:
         devices=devices,
         num_nodes=nodes,
         max_epochs=2,
+        accumulate_grad_batches=int(env.get("OSCARS_TEST_ACCUMULATE", "1")),
         precision=env.get("OSCARS_TEST_PRECISION", "32-true"),
         callbacks=callbacks,
         default_root_dir=out,
@@ -238,7 +242,7 @@ def main() -> None:
         "global_step": trainer.global_step,
         "weights": torch.cat([t.detach().float().reshape(-1) for t in module.state_dict().values()]).tolist(),
         "averagings": len(strategy.history),
-        "deadline_rounds": strategy.rounds.pacer is not None,
+        "deadline_rounds": strategy.rounds is not None and strategy.rounds.pacer is not None,
         "recovery_left": sorted(p.name for p in (out / "oscars-recovery").glob("*")),
         "checkpoint_callback": trainer.checkpoint_callback.state_dict() if every else None,
     }

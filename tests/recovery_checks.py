@@ -72,6 +72,28 @@ def assert_recovered(out: Path, lost_pids: set[int], ranks: int) -> list[dict]:
     return results
 
 
+def assert_steps_applied_once(out: Path, point_step: int, ranks: int) -> list[dict]:
+    """A fit under ``balance="batch"`` that lost a rank and resumed from the survivors' point at ``point_step``: it
+    completed on every rank with no point left and identical weights, and every sample of every epoch is in exactly
+    one step that was taken (the failed world's steps before the point, and every step of the restarted one; the
+    failed step's batches, whose all-reduce broke, count for nothing)."""
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    for r in results:
+        assert r["epoch"] == 2 and r["recovery_left"] == [], r
+    assert len({json.dumps(r["weights"]) for r in results}) == 1, "ranks ended with different weights"
+    applied: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for path in out.glob("trained-*.jsonl"):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        failed_world = bool(rows) and rows[0]["step"] < point_step  # the restarted processes start at the point
+        for row in rows:
+            if not failed_world or row["step"] < point_step:
+                applied[row["epoch"]].update(row["indices"])
+    for epoch in (0, 1):
+        assert sorted(applied[epoch]) == list(range(SAMPLES)), f"epoch {epoch}: a sample in no step taken"
+        assert max(applied[epoch].values()) == 1, f"epoch {epoch}: a sample in two steps taken"
+    return results
+
+
 def killed_pids(out: Path, before: set[int]) -> set[int]:
     """The processes of a run that ended on a SIGKILL: the one whose file stops at the kill (rank 1's)."""
     return {int(p.stem.split("-")[1]) for p in out.glob("trained-*.jsonl")} - before

@@ -16,8 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_oscars import OscarsStrategy
 from lightning_oscars.core.batch_shares import BatchTimeModel, ShareBalancer, ShareSchedule, solve_shares
 from lightning_oscars.core.epoch_order import EpochOrder
-from lightning_oscars.core.share_loader import ShareLoader, epoch_batches
+from lightning_oscars.core.share_loader import ShareLoader, epoch_batches, resumed_batches, saved_position
 from lightning_oscars.dist.batch_weighting import StepSync, WaitTimer, share_weight
+from lightning_oscars.lightning._internals import rewind_batch_progress
 
 
 def test_a_schedule_change_holds_from_its_batch_on_across_epochs():
@@ -97,6 +98,56 @@ def test_a_change_takes_effect_past_the_fetched_batches_and_a_resume_starts_at_i
     assert loader.change_key((0, 1), batches_per_step=4) == (0, 8)  # past batch 7, at an optimizer step's start
     loader.start_epoch(0, start_batch=2)
     assert len(list(iter(loader))) == len(loader) - 2
+
+
+@pytest.mark.parametrize(("old_world", "new_world", "start"), [(2, 1, 2), (2, 3, 1), (3, 2, 2), (2, 2, 3)])
+def test_an_epoch_resumed_in_another_world_trains_the_rest_once_in_the_new_worlds_batches(old_world, new_world, start):
+    """A checkpoint (or a recovery point) written at batch ``start`` of epoch 1 by ``old_world`` ranks of 16, resumed
+    on ``new_world``: the samples before are the old world's, the rest are trained once, in global batches of the new
+    world, and the epoch after is laid out whole again."""
+    n, order = 100, EpochOrder("permutation", 100, seed=3)
+
+    def loaders(world: int) -> list[ShareLoader]:
+        schedule = ShareSchedule([16] * world)
+        return [
+            ShareLoader(DataLoader(TensorDataset(torch.arange(n)), batch_size=16), r, world, order, schedule)
+            for r in range(world)
+        ]
+
+    old = loaders(old_world)[0]
+    saved = {"world": old_world, "total": 16 * old_world, "resumed": old.resumed}
+    position = saved_position(n, False, saved, 1, start)
+    assert position == old.position(1, start) == start * 16 * old_world
+    resumed = loaders(new_world)
+    for loader in resumed:
+        loader.start_epoch(1, start_batch=start, position=position)
+    assert all(
+        len(loader) == len(resumed_batches(n, 16 * new_world, new_world, False, start, position)) for loader in resumed
+    )
+    rest = [int(i) for batches in zip(*resumed) for batch in batches for i in batch[0]]
+    assert sorted(rest) == sorted(order.draw(1)[position:]), "the rest of the epoch, once"
+    assert resumed[0].layout(1)[start] == (position, 16 * new_world) or position + 16 * new_world > n
+    # The resumed epoch's layout holds a checkpoint taken in it: a second resume finds the same position.
+    later = {"world": new_world, "total": 16 * new_world, "resumed": resumed[0].resumed}
+    if start + 1 < len(resumed[0]):
+        assert saved_position(n, False, later, 1, start + 1) == resumed[0].position(1, start + 1)
+    for loader in resumed:
+        loader.start_epoch(2)
+    assert len(resumed[0]) == len(epoch_batches(n, 16 * new_world, new_world, False))
+
+
+def test_a_recovery_checkpoint_resumes_at_the_first_batch_of_the_step_not_taken():
+    progress = {
+        "current": dict.fromkeys(("ready", "started", "processed", "completed"), 7),
+        "total": dict.fromkeys(("ready", "started", "processed", "completed"), 27),
+        "is_last_batch": True,
+    }
+    checkpoint = {"loops": {"fit_loop": {"epoch_loop.batch_progress": progress}}}
+    progress["current"]["ready"] = progress["total"]["ready"] = 8  # batch 7 was fetched; its step broke
+    rewind_batch_progress(checkpoint, 6)  # the step's first micro-batch
+    assert progress["current"] == dict.fromkeys(("ready", "started", "processed", "completed"), 6)
+    assert progress["total"] == dict.fromkeys(("ready", "started", "processed", "completed"), 26)
+    assert progress["is_last_batch"] is False
 
 
 def test_share_weights_make_the_mean_over_ranks_the_global_batch_mean():

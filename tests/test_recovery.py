@@ -9,6 +9,7 @@ a hard timeout), and no recovery point is left behind once the fit ended.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from recovery_checks import (
     TIMEOUT,
     Runs,
     assert_recovered,
+    assert_steps_applied_once,
     finish,
     killed_pids,
     pids_by_last_step,
@@ -42,7 +44,12 @@ def sequences(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     runs one after the other): ``name -> (output directory, runs)``."""
     from concurrent.futures import ThreadPoolExecutor
 
-    made = {"restart_loop": _restart_loop, "failures_everywhere": _failures_everywhere, "replicas": _replica_runs}
+    made = {
+        "restart_loop": _restart_loop,
+        "failures_everywhere": _failures_everywhere,
+        "replicas": _replica_runs,
+        "batch": _batch_balance_runs,
+    }
     with ThreadPoolExecutor(max_workers=len(made)) as pool:
         futures = {name: pool.submit(run, tmp_path_factory.mktemp(name)) for name, run in made.items()}
         return {name: future.result() for name, future in futures.items()}
@@ -161,6 +168,37 @@ def test_with_replica_groups_a_replica_is_the_unit_lost(sequences):
     assert_recovered(out, lost, ranks=4)
 
 
+BATCH_BALANCE = {"OSCARS_TEST_BALANCE": "batch", "OSCARS_TEST_ACCUMULATE": "2"}
+
+
+def _batch_balance_runs(out: Path) -> tuple[Path, Runs]:
+    """``balance="batch"`` with gradient accumulation 2: a fit left alone (in ``out/uninterrupted``); the same fit
+    with rank 1 SIGKILLed as step 5 starts (epoch 1: rank 0 dies in the all-reduce of that step's second
+    micro-batch); then restarted to the end."""
+    env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), **BATCH_BALANCE)
+    alone = out / "uninterrupted"
+    alone.mkdir()
+    runs = [(*run([sys.executable, CASE, str(alone)], env), set())]
+    runs.append((*run([sys.executable, CASE, str(out)], {**env, "OSCARS_TEST_KILL": "5"}), set()))
+    runs.append((*run([sys.executable, CASE, str(out)], env), set()))
+    return out, runs
+
+
+@pytest.mark.extended
+def test_under_batch_balance_a_lost_rank_costs_its_step_and_the_fit_ends_as_if_never_interrupted(sequences):
+    """Batch balance takes ddp's steps: the survivor saves its state as of the last step taken, rewound to that
+    step's first micro-batch, and the restart trains every sample in exactly one step taken and ends with the
+    weights of the fit that lost nobody."""
+    out, ((alone, log0, _), (first, log1, _), (last, log2, _)) = sequences["batch"]
+    assert alone == 0, log0[-3000:]
+    assert first != 0 and "This rank's state is saved in" in log1, log1[-3000:]
+    assert last == 0 and restored_step(log2) == 5, log2[-3000:]
+    results = assert_steps_applied_once(out, 5, ranks=2)
+    reference = json.loads((out / "uninterrupted" / "rank0.json").read_text())
+    assert reference["global_step"] == results[0]["global_step"] == 8
+    assert max(abs(a - b) for a, b in zip(reference["weights"], results[0]["weights"])) < 1e-5
+
+
 @pytest.mark.extended
 def test_torchrun_restarts_its_ranks_and_they_go_on_from_the_survivors_state(tmp_path):
     """One torchrun agent, two ranks, ``--max-restarts=1``; rank 1 is SIGKILLed mid-epoch. Rank 0 saves its state and
@@ -175,21 +213,29 @@ def test_torchrun_restarts_its_ranks_and_they_go_on_from_the_survivors_state(tmp
 
 
 @pytest.mark.extended
-def test_an_elastic_torchrun_job_goes_on_in_a_smaller_world_when_a_node_dies(tmp_path):
+@pytest.mark.parametrize("balance", ["steps", "batch"])
+def test_an_elastic_torchrun_job_goes_on_in_a_smaller_world_when_a_node_dies(tmp_path, balance):
     """Two agents on loopback (``--nnodes=1:2``), one rank each; node 1's rank is SIGKILLed and its agent with it. The
-    surviving agent restarts its rank in a world of one, which resumes from its own saved state."""
+    surviving agent restarts its rank in a world of one, which resumes from its own saved state (under batch balance,
+    the rest of the epoch in the world of one's global batches)."""
     port = free_port()
     args = ("--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=2", "--rdzv-conf=last_call_timeout=2")
-    host = start([*torchrun(port, *args), str(tmp_path)], torchrun_env("9"))
+    # Rank 1 dies as global step 9 starts (under batch balance 5: its 4 steps an epoch are of 2 micro-batches each).
+    env = {**torchrun_env("9"), **({**BATCH_BALANCE, "OSCARS_TEST_KILL": "5"} if balance == "batch" else {})}
+    host = start([*torchrun(port, *args), str(tmp_path)], env)
     wait_until_listening(port, host)  # the first agent hosts the rendezvous store: it must survive
-    node = start([*torchrun(port, *args), str(tmp_path)], {**torchrun_env("9"), "OSCARS_TEST_KILL_AGENT": "1"})
+    node = start([*torchrun(port, *args), str(tmp_path)], {**env, "OSCARS_TEST_KILL_AGENT": "1"})
     try:
         code, log = finish(host)
     finally:
         kill_group(node)
     assert code == 0, log[-4000:]
-    killed = {pid for pid, last in pids_by_last_step(tmp_path).items() if last < 9}
-    result = assert_recovered(tmp_path, killed, ranks=1)[0]
+    if balance == "batch":
+        assert restored_step(log) == 5, log[-4000:]
+        result = assert_steps_applied_once(tmp_path, 5, ranks=1)[0]
+    else:
+        killed = {pid for pid, last in pids_by_last_step(tmp_path).items() if last < 9}
+        result = assert_recovered(tmp_path, killed, ranks=1)[0]
     assert result["world_size"] == 1
 
 

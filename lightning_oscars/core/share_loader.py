@@ -17,7 +17,7 @@ Lightning's fetcher may already hold.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -26,7 +26,7 @@ from lightning_oscars.core.batch_shares import BatchKey, ShareSchedule, share_sp
 from lightning_oscars.core.epoch_order import EpochOrder
 from lightning_oscars.core.loader import EpochSampler, inner_loader_kwargs
 
-__all__ = ["ShareLoader", "epoch_batches", "rank_batch_size"]
+__all__ = ["ShareLoader", "epoch_batches", "rank_batch_size", "resumed_batches", "saved_position"]
 
 
 def epoch_batches(samples: int, total: int, world: int, drop_last: bool) -> list[tuple[int, int]]:
@@ -42,6 +42,28 @@ def epoch_batches(samples: int, total: int, world: int, drop_last: bool) -> list
         else:
             batches.append((full * total, rest))
     return batches
+
+
+def resumed_batches(
+    samples: int, total: int, world: int, drop_last: bool, start: int, position: int
+) -> list[tuple[int, int]]:
+    """An epoch resumed at batch ``start`` in a world other than the one that trained its first ``position`` samples
+    (a restart after a lost rank, a checkpoint resumed on more or fewer ranks): ``start`` batches already done (held
+    as ``(position, 0)``, never fetched: Lightning counts them as done), then global batches of ``total`` from
+    ``position`` on, as :func:`epoch_batches` lays out the rest of the epoch."""
+    rest = epoch_batches(samples - position, total, world, drop_last)
+    return [(position, 0)] * start + [(position + first, size) for first, size in rest]
+
+
+def saved_position(samples: int, drop_last: bool, saved: Mapping[str, Any], epoch: int, batch: int) -> int:
+    """The samples of ``epoch`` trained before its batch ``batch`` in the world that wrote ``saved`` (a checkpoint's
+    ``world``, ``total`` and ``resumed``, as :meth:`ShareLoader.layout` laid the epoch out there)."""
+    total, world, resumed = int(saved["total"]), int(saved["world"]), saved.get("resumed")
+    if resumed is not None and resumed[0] == epoch:
+        layout = resumed_batches(samples, total, world, drop_last, int(resumed[1]), int(resumed[2]))
+    else:
+        layout = epoch_batches(samples, total, world, drop_last)
+    return layout[batch][0] if batch < len(layout) else samples
 
 
 class _ShareBatches:
@@ -103,8 +125,11 @@ class ShareLoader:
         self.order, self.schedule = order, schedule
         if schedule.total != self.batch_size * world_size or schedule.world != world_size:
             raise ValueError(f"a schedule of {schedule.total} samples for {world_size} ranks of {self.batch_size}")
-        self.batches = epoch_batches(order.num_samples, schedule.total, world_size, self.drop_last)
-        if not self.batches:
+        self.whole = epoch_batches(order.num_samples, schedule.total, world_size, self.drop_last)
+        # (epoch, start batch, position): the epoch a resume in another world lays out by resumed_batches
+        self.resumed: tuple[int, int, int] | None = None
+        self._resumed_layout: list[tuple[int, int]] = []
+        if not self.whole:
             raise ValueError(
                 f"The training set has {order.num_samples} samples, fewer than one global batch of {schedule.total}"
                 f" ({self.batch_size} per rank on {world_size} ranks) with drop_last=True: nothing to train."
@@ -125,10 +150,28 @@ class ShareLoader:
         self.before_epoch: Callable[[], None] | None = None
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return len(self.layout(self.epoch))
 
-    def start_epoch(self, epoch: int, order: Sequence[int] | None = None, start_batch: int = 0) -> None:
-        """The epoch about to run, its order (``None``: drawn here) and the batch it starts from (a resume)."""
+    def layout(self, epoch: int) -> list[tuple[int, int]]:
+        """The global batches of ``epoch``: ``(first position, samples)`` each."""
+        if self.resumed is None or self.resumed[0] != epoch:
+            return self.whole
+        return self._resumed_layout
+
+    def position(self, epoch: int, batch: int) -> int:
+        """The samples of ``epoch``'s order trained before its batch ``batch``."""
+        layout = self.layout(epoch)
+        return layout[batch][0] if batch < len(layout) else self.order.num_samples
+
+    def start_epoch(
+        self, epoch: int, order: Sequence[int] | None = None, start_batch: int = 0, position: int | None = None
+    ) -> None:
+        """The epoch about to run, its order (``None``: drawn here) and the batch it starts from (a resume);
+        ``position``: the samples trained before that batch, where another world trained them (``None``: this one)."""
+        if position is not None and position != self.position(epoch, start_batch):
+            self.resumed = (epoch, start_batch, position)
+            total, world, samples = self.schedule.total, self.world_size, self.order.num_samples
+            self._resumed_layout = resumed_batches(samples, total, world, self.drop_last, start_batch, position)
         self.epoch = self.sampler.epoch = epoch
         self._order = list(order) if order is not None else self.order.draw(epoch)
         if len(self._order) != self.order.num_samples:
@@ -139,7 +182,7 @@ class ShareLoader:
     def shares(self, epoch: int, batch: int) -> list[int]:
         """Every rank's samples in global batch ``batch`` of ``epoch`` (the last one's cut in proportion)."""
         shares = self.schedule.shares_at((epoch, batch))
-        size = self.batches[batch][1]
+        size = self.layout(epoch)[batch][1]
         if size == self.schedule.total:
             return list(shares)
         if size > self.schedule.total:  # a remainder smaller than the world joined this batch: one more each
@@ -151,7 +194,7 @@ class ShareLoader:
         """This rank's sample indices in global batch ``batch`` of ``epoch``."""
         if self._order is None or self._order_epoch != epoch:
             self._order, self._order_epoch = self.order.draw(epoch), epoch
-        first, last = share_span(self.batches[batch][0], self.shares(epoch, batch), self.rank)
+        first, last = share_span(self.layout(epoch)[batch][0], self.shares(epoch, batch), self.rank)
         return self._order[first:last]
 
     def change_key(self, now: BatchKey, batches_per_step: int = 1) -> BatchKey:

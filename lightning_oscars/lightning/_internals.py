@@ -144,6 +144,34 @@ def lift_batch_limit(trainer: Trainer) -> None:
             fetcher.length = len(combined)
 
 
+def size_training_epoch(trainer: Trainer, batches: int) -> None:
+    """The epoch about to run has ``batches`` batches, not its loader's length at setup (a resume in another world
+    lays its epoch out anew): Lightning's count, its combined loader's cap and its fetcher's "last batch" follow,
+    under ``limit_train_batches`` as Lightning applies it."""
+    limit = trainer.limit_train_batches
+    count = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+    loop = trainer.fit_loop
+    loop.max_batches = count
+    combined = loop._combined_loader
+    if combined is not None and combined.limits is not None:
+        combined.limits = [count] * len(combined.limits)
+        if combined._iterator is not None:
+            combined._iterator.limits = list(combined.limits)
+    fetcher = loop._data_fetcher
+    if fetcher is not None and fetcher.length is not None:
+        fetcher.length = count
+
+
+def rewind_batch_progress(checkpoint: dict[str, Any], batch: int) -> None:
+    """Make a checkpoint of this epoch resume at its batch ``batch``: Lightning's batch counters say that many done."""
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    current, total = progress["current"], progress["total"]
+    done_before = total["completed"] - current["completed"]
+    for counter in ("ready", "started", "processed", "completed"):
+        current[counter], total[counter] = batch, done_before + batch
+    progress["is_last_batch"] = False
+
+
 def training_loader_count(trainer: Trainer) -> int:
     """How many DataLoaders the fit trains on (Lightning's ``CombinedLoader`` of ``train_dataloader``)."""
     combined = trainer.fit_loop._combined_loader

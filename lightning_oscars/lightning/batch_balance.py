@@ -33,9 +33,10 @@ from typing_extensions import override
 
 from lightning_oscars.core.batch_shares import BatchKey, ShareBalancer, ShareSchedule, resolve_batch_sizes
 from lightning_oscars.core.epoch_order import EpochOrder, training_set_size
-from lightning_oscars.core.share_loader import ShareLoader, rank_batch_size
+from lightning_oscars.core.share_loader import ShareLoader, rank_batch_size, saved_position
 from lightning_oscars.dist.batch_weighting import StepSync, WaitTimer, share_weight
 from lightning_oscars.lightning import _internals as internals
+from lightning_oscars.lightning.batch_recovery import BatchRecovery
 
 __all__ = ["BatchBalanceSession", "ShareChange", "rank_device_names"]
 
@@ -54,6 +55,7 @@ class BatchBalanceSession:
         restored: the ``"oscars_batch"`` entry of the checkpoint the fit resumes from.
         resumed_from_local_steps: the checkpoint was written under ``balance="steps"`` (its epoch's data was split
             by rounds, not by ddp's batches: only an epoch boundary can be resumed).
+        recovery: what the fit saves when a peer is lost, and the point it resumes from (``None``: nothing saved).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class BatchBalanceSession:
         restored: dict[str, Any] | None = None,
         resumed_from_local_steps: bool = False,
         monitor: bool = True,
+        recovery: BatchRecovery | None = None,
     ) -> None:
         self.strategy = strategy
         self.batch_sizes = batch_sizes
@@ -78,6 +81,7 @@ class BatchBalanceSession:
         self.restored = restored
         self.resumed_from_local_steps = resumed_from_local_steps
         self.monitor = monitor
+        self.recovery = recovery
         self._logged: list[int] = []
         self.loader: ShareLoader | None = None
         self.schedule: ShareSchedule | None = None
@@ -90,6 +94,7 @@ class BatchBalanceSession:
         self._callback: _BatchCallback | None = None
         self._sync: StepSync | None = None
         self._key: BatchKey = (0, 0)
+        self._step_first: BatchKey = (0, 0)  # the first batch of the optimizer step not yet taken
         self._shares: list[int] = []
         self._samples = 0  # this rank's samples since the last all-reduce, and in how many batches
         self._batches = 0
@@ -108,11 +113,17 @@ class BatchBalanceSession:
         trainer.callbacks.insert(0, self._callback)  # type: ignore[attr-defined]
         self._wait_timer = WaitTimer(self.exclude)
         self._wait_timer.__enter__()
+        if self.recovery is not None:
+            self.recovery.begin()
+            if self.recovery.survivor and "rng" in (self.restored or {}):
+                internals.restore_rng_states(self.restored["rng"])  # type: ignore[index]
 
     def end(self) -> None:
         if self.ended:
             return
         self.ended = True
+        if self.recovery is not None:
+            self.recovery.end()
         if self._wait_timer is not None:
             self._wait_timer.__exit__(None, None, None)
             self._wait_timer = None
@@ -174,6 +185,7 @@ class BatchBalanceSession:
             mine = loader.order.draw(trainer.current_epoch) if self.strategy.global_rank == 0 else None
             order = self.strategy.broadcast(mine, src=0)
         start = internals.resume_position(trainer) or 0
+        epoch = trainer.current_epoch
         if 0 < start < len(loader) and self.resumed_from_local_steps:
             self._error = ValueError(
                 f"This checkpoint was written mid-epoch (batch {start}) under balance='steps', whose epoch is split by"
@@ -181,7 +193,15 @@ class BatchBalanceSession:
                 " with balance='steps', or from a checkpoint written at an epoch's end."
             )
         self.resumed_from_local_steps = False
-        loader.start_epoch(trainer.current_epoch, order, start_batch=start)
+        position = None
+        saved = self.restored or {}
+        if start > 0 and "world" in saved:  # where the world that wrote the checkpoint stood (any world size)
+            position = saved_position(loader.order.num_samples, loader.drop_last, saved, epoch, start)
+        was = len(loader)
+        loader.start_epoch(epoch, order, start_batch=start, position=position)
+        self._step_first = (epoch, start)
+        if len(loader) != was or loader.resumed is not None:
+            internals.size_training_epoch(trainer, len(loader))  # a resumed epoch laid out anew, or the one after
 
     # ------------------------------------------------------------------ each step
 
@@ -190,6 +210,8 @@ class BatchBalanceSession:
             raise self._error
         assert self.loader is not None
         self._key = (trainer.current_epoch, batch_idx)
+        if self._batches == 0:
+            self._step_first = self._key
         self._shares = self.loader.shares(*self._key)
         if self.monitor and self._shares != self._logged and sum(self._shares) == self.loader.schedule.total:
             self._logged = list(self._shares)
@@ -231,6 +253,9 @@ class BatchBalanceSession:
             control[world + rank] = measured / self._batches
         summed = self._sync.sync(control)
         self._last_sync, self._excluded = time.perf_counter(), 0.0
+        self._step_first = (self._key[0], self._key[1] + 1)  # the optimizer update follows, with no collective
+        if self.recovery is not None:
+            self.recovery.stepped()
         if self.step_runs and self.step_runs[-1][0] == self._shares:
             self.step_runs[-1] = (self.step_runs[-1][0], self.step_runs[-1][1] + 1)
         else:
@@ -270,7 +295,24 @@ class BatchBalanceSession:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        return {"balance": "batch", "shares": None if self.schedule is None else list(self.schedule.latest)}
+        state: dict[str, Any] = {
+            "balance": "batch",
+            "shares": None if self.schedule is None else list(self.schedule.latest),
+        }
+        if self.loader is not None:  # the epoch's layout, so that another world can tell where a resume stands
+            loader = self.loader
+            state.update(world=loader.world_size, total=loader.schedule.total, resumed=loader.resumed)
+        return state
+
+    def failed(self, error: BaseException) -> None:
+        """The fit is ending with ``error``: with recovery, a survivor of a lost peer saves its state."""
+        trainer = self._trainer
+        if self.recovery is None or trainer is None:
+            return
+        epoch, batch = self._step_first
+        if epoch != trainer.current_epoch:  # the epoch ended with its last step: the next one starts whole
+            batch = 0
+        self.recovery.failed(error, trainer, self.state_dict(), batch)
 
 
 class _BatchCallback(Callback):
@@ -287,6 +329,12 @@ class _BatchCallback(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.session.report()
+        if self.session.recovery is not None:
+            self.session.recovery.fit_ended()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.session.failed(exception)
 
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -18,8 +18,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_oscars.core.recovery_points import RecoveryPoint
 from lightning_oscars.lightning import _internals as internals
 from lightning_oscars.lightning.batch_balance import BatchBalanceSession
+from lightning_oscars.lightning.batch_recovery import BatchRecovery
+from lightning_oscars.lightning.recovery import recovery_store
 
 __all__ = ["BatchBalanceHooks"]
 
@@ -39,8 +42,9 @@ class BatchBalanceHooks(DDPStrategy):
         """The current (or last) fit under ``balance="batch"`` (``None`` before one): its shares, changes, steps."""
         return self._batch or self._last_batch
 
-    def _begin_batch_fit(self, trainer: Trainer) -> None:
-        """A fit under ``balance="batch"`` starts (``self`` holds the strategy's options: ``OscarsOptions``)."""
+    def _begin_batch_fit(self, trainer: Trainer, point: RecoveryPoint | None = None) -> None:
+        """A fit under ``balance="batch"`` starts (``self`` holds the strategy's options: ``OscarsOptions``), resuming
+        from the recovery ``point`` if one was found."""
         self._end_batch_fit()
         options: Any = self
         restored, self._restored_batch = self._restored_batch, None
@@ -56,8 +60,16 @@ class BatchBalanceHooks(DDPStrategy):
             restored=restored,
             resumed_from_local_steps=resumed_from_local_steps,
             monitor=options.monitor,
+            recovery=self._batch_recovery(trainer, point),
         )
         self._batch.begin(trainer)
+
+    def _batch_recovery(self, trainer: Trainer, point: RecoveryPoint | None) -> BatchRecovery | None:
+        options: Any = self
+        if not options.recovery:
+            return None
+        store = recovery_store(trainer, options.recovery_dir)
+        return BatchRecovery(store, point, self.global_rank, self.world_size)
 
     def _end_batch_fit(self) -> None:
         session, self._batch = self._batch, None

@@ -255,7 +255,7 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
         self._end_fit()  # a previous fit on this Trainer that was not torn down, if any
         if self.balance == "batch":
             self._restored = None
-            return self._begin_batch_fit(trainer)
+            return self._begin_batch_fit(trainer, self._recovery_point)
         scheme = self.make_scheme()
         store = default_store_or_none()
         sizes = self.rank_batch_sizes(self, self._layout)
