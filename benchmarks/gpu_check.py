@@ -23,6 +23,8 @@ Checks:
    the median wait for the next batch (the loader's PIL transforms), after the first 20 steps, timed by a callback
    inside the fit (``benchmarks.step_timer.StepTimer``) so that process start-up and validation stay out of the figures.
    (``--cpu``: ResNet-18 only, fp32, 24 steps of which the last 4 are timed: the plumbing.)
+6. ``auto-batch-size``: ``batch_sizes="auto"``'s probe on the GPU (``benchmarks/gpu_memory_check.py``): the largest
+   batch it finds for a ResNet-18 (bf16, Adam), and one real step at that batch fits within the device's memory.
 
 Not testable on one GPU: NCCL (it needs one GPU per rank; two ranks on one GPU over NCCL are refused), so the
 NCCL all-reduce of the averaging buffer, NCCL timeouts and multi-GPU placement stay untested until a machine
@@ -41,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.gpu_memory_check import check_auto_batch
 from benchmarks.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -324,6 +327,7 @@ def main() -> None:
             accelerator, "bf16-mixed" if cuda else "32-true", "resnet18", a.timeout, min_speedup=1.2
         ),
         "cifar10-example": lambda: check_cifar10_example(accelerator, cuda, 4 * a.timeout),
+        "auto-batch-size": lambda: check_auto_batch(device, cuda),
     }
     results = {}
     for name, check in checks.items():

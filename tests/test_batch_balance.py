@@ -57,6 +57,9 @@ FITS = [
     },
     {"name": "steps_sizes_save", "strategy": SIZES, "slow": 3, "max_steps": 6, "save_every": 6, "epochs": 1},
     {"name": "steps_sizes_resume", "strategy": SIZES, "slow": 3, "epochs": 1, "resume": "steps_sizes_save"},
+    # batch_sizes="auto" off CUDA: the DataLoader's batch_size on every rank, under both balances
+    {"name": "steps_auto", "strategy": {"warmup_steps": 2, "batch_sizes": "auto"}, "slow": 3, "epochs": 1},
+    {"name": "batch_auto", "strategy": {**BATCH, "batch_sizes": "auto"}, "slow": 3, "epochs": 1},
 ]
 
 
@@ -111,6 +114,8 @@ def test_batch_balance_trains_to_ddps_weights_with_unequal_shares(fits, ddp, bat
         "steps_sizes",
         "steps_sizes_bn",
         "steps_sizes_frozen",
+        "steps_auto",
+        "batch_auto",
     ],
 )
 def test_every_sample_is_trained_once_per_epoch_and_every_rank_ends_identical(fits, name):
@@ -223,3 +228,13 @@ def test_a_frozen_layer_stays_as_initialised_and_a_parameter_no_optimizer_owns_i
         for key in ("net.0.weight", "net.0.bias", "scale"):
             assert rank["state"][key] == initial["state"][key], key
         assert rank["state"]["net.2.weight"] != initial["state"]["net.2.weight"]  # the rest trained
+
+
+@pytest.mark.multiprocess
+def test_auto_batch_sizes_off_cuda_train_the_dataloaders_batch_size(fits):
+    steps, batch = fits["steps_auto"], fits["batch_auto"]
+    _no_error(steps, batch)
+    for rank in steps:  # local steps: each rank's batches at the DataLoader's 16 (the epoch's last may be shorter)
+        assert max(rank["lengths"]) == 16 and sum(n != 16 for n in rank["lengths"]) <= 1, rank["lengths"]
+    assert all(sum(step) == 32 for step in batch[0]["steps"][:-1])  # ddp's global batch of 2 x 16, no caps
+    assert max(step[0] for step in batch[0]["steps"]) > 16  # and balanced beyond 16 on the fast rank

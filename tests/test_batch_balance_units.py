@@ -191,7 +191,7 @@ def test_the_wait_timer_times_collectives_of_its_thread_once(gloo):  # noqa: F81
         ({"batch_sizes": [16, 8], "deadline_rounds": True}, "batch_sizes cannot be combined with deadline_rounds"),
         ({"batch_sizes": [16, 0]}, "at least 1"),
         ({"balance": "batch", "batch_sizes": [16, 0]}, "at least 1"),
-        ({"balance": "batch", "batch_sizes": "auto"}, "a list .* or a dict by device name"),
+        ({"balance": "batch", "batch_sizes": "largest"}, "a list .* a dict by device name or .auto."),
         ({"balance": "batch", "solver": "alg1"}, "solver='alg1' configures local steps"),
         ({"balance": "batch", "outer_lr": 0.7}, "outer_lr=0.7 configures local steps"),
         ({"balance": "batch", "replica_size": 2}, "replica_size=2 configures local steps"),

@@ -115,6 +115,15 @@ def test_full_config_overrides_from_command_line(example_cli, tmp_path):
     assert strategy._timeout == timedelta(minutes=5)
 
 
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("auto", "auto"), ("[64, 32]", [64, 32]), ('{"NVIDIA A100-SXM4-80GB": 64, "Tesla V100-SXM2-32GB": 24}', None)],
+)
+def test_batch_sizes_from_command_line(example_cli, tmp_path, given, expected):
+    cli = _cli(example_cli, "oscars_full.yaml", tmp_path, f"--trainer.strategy.init_args.batch_sizes={given}")
+    assert cli.trainer.strategy.batch_sizes == (expected if expected is not None else yaml.safe_load(given))
+
+
 @pytest.mark.parametrize(("given", "expected"), [("node", "node"), ("4", 4)])
 def test_replica_size_from_command_line(example_cli, tmp_path, given, expected):
     cli = _cli(example_cli, "oscars_full.yaml", tmp_path, f"--trainer.strategy.init_args.replica_size={given}")

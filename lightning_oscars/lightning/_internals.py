@@ -172,6 +172,17 @@ def rewind_batch_progress(checkpoint: dict[str, Any], batch: int) -> None:
     progress["is_last_batch"] = False
 
 
+def first_training_dataloader(trainer: Trainer) -> object:
+    """The fit's (first) training DataLoader as the user's code returns it, before Lightning wraps it (its
+    ``train_dataloader`` hook is called once more)."""
+    loaders: Any = trainer.fit_loop._data_source.dataloader()
+    if isinstance(loaders, dict):
+        loaders = next(iter(loaders.values()), None)
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    return loaders
+
+
 def training_loader_count(trainer: Trainer) -> int:
     """How many DataLoaders the fit trains on (Lightning's ``CombinedLoader`` of ``train_dataloader``)."""
     combined = trainer.fit_loop._combined_loader

@@ -36,6 +36,7 @@ from lightning_oscars.core.epoch_order import EpochOrder, training_set_size
 from lightning_oscars.core.share_loader import ShareLoader, rank_batch_size, saved_position
 from lightning_oscars.dist.batch_weighting import StepSync, WaitTimer, share_weight
 from lightning_oscars.lightning import _internals as internals
+from lightning_oscars.lightning.batch_probe import auto_batch_fits
 from lightning_oscars.lightning.batch_recovery import BatchRecovery
 
 __all__ = ["BatchBalanceSession", "ShareChange", "rank_device_names"]
@@ -62,7 +63,7 @@ class BatchBalanceSession:
         self,
         strategy: ParallelStrategy,
         *,
-        batch_sizes: Sequence[int] | dict[str, int] | None,
+        batch_sizes: Sequence[int] | dict[str, int] | str | None,
         warmup_steps: int,
         min_gain: float,
         smoothing: float,
@@ -152,16 +153,20 @@ class BatchBalanceSession:
         order = EpochOrder.of(internals.unwrap_sampler(dataloader.sampler), training_set_size(dataloader), self.seed)
         total = rank_batch_size(dataloader) * world
         if self.schedule is None or self.schedule.total != total:
-            self._plan(total, world)
+            self._plan(total, world, dataloader)
         assert self.schedule is not None
         loader = ShareLoader(dataloader, rank, world, order, self.schedule)
         loader.before_epoch = lambda: self._start_epoch(trainer)
         self.loader = loader
         return loader
 
-    def _plan(self, total: int, world: int) -> None:
+    def _plan(self, total: int, world: int, dataloader: DataLoader) -> None:
         """The caps, the balancer and the first shares (a resumed fit's, when its global batch is the same)."""
-        self.caps = resolve_batch_sizes(self.batch_sizes, world, self._device_names())
+        sizes = self.batch_sizes
+        if isinstance(sizes, str):  # "auto": on CUDA, a probe of what each rank fits
+            self.caps = auto_batch_fits(self.strategy, dataloader)
+        else:
+            self.caps = resolve_batch_sizes(sizes, world, self._device_names())
         self.balancer = ShareBalancer(
             total, world, self.caps, self.warmup_steps, self.min_gain, self.smoothing, pinned=self.step_times
         )

@@ -66,7 +66,9 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
             ``min_gain``, ``smoothing``, ``step_times``, ``seed`` and ``batch_sizes`` apply of the options below.
         batch_sizes: a batch size per rank (its memory), a list by rank or a dict by device name
             (``torch.cuda.get_device_name()``). Under ``"steps"`` each rank trains its own (the round's average is
-            then weighted by samples); under ``"batch"`` each rank's largest share. ``None``: the DataLoader's.
+            then weighted by samples); under ``"batch"`` each rank's largest share. ``"auto"``: on CUDA, what a
+            probe at fit start finds each device fits (``docs/batch-balance.md``); elsewhere the DataLoader's.
+            ``None``: the DataLoader's.
         solver: ``"exact"`` (communication-aware, exact; default), ``"alg1"`` (the paper's Algorithm 1) or
             ``"uniform"`` (fixed-period local SGD: every rank takes ``max_local_steps`` steps per round).
         averaging: ``"uniform"`` (the paper's Eq. 4: plain mean) or ``"samples"`` (weighted by the samples
@@ -132,7 +134,7 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
     def __init__(
         self,
         balance: Literal["steps", "batch"] = "steps",
-        batch_sizes: list[int] | dict[str, int] | None = None,
+        batch_sizes: list[int] | dict[str, int] | Literal["auto"] | None = None,
         solver: Solver = "exact",
         averaging: Averaging = "uniform",
         average_optimizer_state: bool = False,
@@ -258,7 +260,7 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
             return self._begin_batch_fit(trainer, self._recovery_point)
         scheme = self.make_scheme()
         store = default_store_or_none()
-        sizes = self.rank_batch_sizes(self, self._layout)
+        sizes = self.rank_batch_sizes(self, self._layout, trainer)
         rounds = self.make_rounds(
             self.make_policy(),
             self.world_size,

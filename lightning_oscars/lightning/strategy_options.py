@@ -5,8 +5,9 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
+from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ParallelStrategy
 from torch.nn.parallel import DistributedDataParallel
 
@@ -21,6 +22,7 @@ from lightning_oscars.dist.outer import OuterNesterovAveraging
 from lightning_oscars.dist.overlap import OverlappedAveraging
 from lightning_oscars.dist.schemes import ModelAveraging, SyncScheme
 from lightning_oscars.lightning.batch_balance import rank_device_names
+from lightning_oscars.lightning.batch_probe import auto_rank_batch_sizes
 
 __all__ = ["DDP_WRAPPER_OPTIONS", "OPTION_NAMES", "OscarsOptions", "check_ddp_wrapper_options"]
 
@@ -103,9 +105,12 @@ def check_balance(o: Mapping[str, Any]) -> None:
                 "batch_sizes cannot be combined with deadline_rounds: a deadline round hands a rank's unreached"
                 " batches to other ranks, whose batches are of other sizes"
             )
-        if isinstance(sizes, str):
-            raise ValueError(f"batch_sizes must be a list (one per rank) or a dict by device name, got {sizes!r}")
-        resolve_batch_sizes(sizes, len(sizes), list(sizes))  # the values; the length is checked at fit start
+        if isinstance(sizes, str) and sizes != "auto":
+            raise ValueError(
+                f"batch_sizes must be a list (one per rank), a dict by device name or 'auto', got {sizes!r}"
+            )
+        if sizes != "auto":
+            resolve_batch_sizes(sizes, len(sizes), list(sizes))  # the values; the length is checked at fit start
     if o["balance"] == "batch":
         for name, default in LOCAL_STEP_OPTIONS.items():
             if o[name] != default:
@@ -119,7 +124,7 @@ class OscarsOptions:
     """The strategy's own constructor options as attributes (what LightningCLI prints and a config sets)."""
 
     balance: str
-    batch_sizes: list[int] | dict[str, int] | None
+    batch_sizes: list[int] | dict[str, int] | Literal["auto"] | None
     solver: Solver
     averaging: str
     average_optimizer_state: bool
@@ -251,11 +256,18 @@ class OscarsOptions:
             batch_sizes=batch_sizes,
         )
 
-    def rank_batch_sizes(self, strategy: ParallelStrategy, layout: ReplicaLayout) -> list[int] | None:
+    def rank_batch_sizes(self, strategy: ParallelStrategy, layout: ReplicaLayout, trainer: Trainer) -> list[int] | None:
         """Every replica's batch size (per rank) under ``balance="steps"`` from ``batch_sizes`` (a collective on
-        every rank when given by device name); ``None``: the DataLoader's ``batch_size`` everywhere."""
+        every rank when given by device name, a probe and a collective for ``"auto"`` on CUDA); ``None``: the
+        DataLoader's ``batch_size`` everywhere."""
         if self.batch_sizes is None or self.balance != "steps":
             return None
+        if self.batch_sizes == "auto":
+            fits = auto_rank_batch_sizes(strategy, trainer)
+            if fits is None:
+                return None
+            # a replica's ranks step together on one batch: the size its least-memory rank fits
+            return [min(fits[r] for r in layout.ranks_of(replica)) for replica in range(layout.replicas)]
         names = rank_device_names(strategy, isinstance(self.batch_sizes, dict))
         sizes = resolve_batch_sizes(self.batch_sizes, strategy.world_size, names)
         return None if sizes is None else replica_batch_sizes(sizes, layout)
