@@ -22,6 +22,7 @@ recovery point.
 * ``OSCARS_TEST_MODEL``: ``mlp`` (default), ``batchnorm`` or ``frozen`` (its first layer frozen).
 * ``OSCARS_TEST_SLOWDOWN``: how much slower rank 1 is (default 3; 1: equal speeds).
 * ``OSCARS_TEST_VALIDATE=1``: validate twice an epoch (metrics logged with ``sync_dist``).
+* ``OSCARS_TEST_BATCH_SIZES``: the strategy's ``batch_sizes``, as JSON (e.g. ``[8, 4]``).
 * ``OSCARS_TEST_BALANCE=batch``: ``balance="batch"`` (ddp's synchronous steps); ``OSCARS_TEST_ACCUMULATE=N``: the
   Trainer's ``accumulate_grad_batches``.
 * ``OSCARS_TEST_CHECKPOINT_EVERY=N``: a ``ModelCheckpoint`` saves every N steps (the fit still gets no ``ckpt_path``),
@@ -216,6 +217,7 @@ def main() -> None:
             replica_size=int(env.get("OSCARS_TEST_REPLICA_SIZE", "1")),
             deadline_rounds=env.get("OSCARS_TEST_DEADLINE") == "1",
             balance=env.get("OSCARS_TEST_BALANCE", "steps"),
+            batch_sizes=json.loads(env["OSCARS_TEST_BATCH_SIZES"]) if "OSCARS_TEST_BATCH_SIZES" in env else None,
         )
     trainer = L.Trainer(
         strategy=strategy,

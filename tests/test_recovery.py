@@ -9,6 +9,7 @@ a hard timeout), and no recovery point is left behind once the fit ended.
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 from pathlib import Path
@@ -49,6 +50,7 @@ def sequences(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
         "failures_everywhere": _failures_everywhere,
         "replicas": _replica_runs,
         "batch": _batch_balance_runs,
+        "rank_sizes": _rank_batch_size_runs,
     }
     with ThreadPoolExecutor(max_workers=len(made)) as pool:
         futures = {name: pool.submit(run, tmp_path_factory.mktemp(name)) for name, run in made.items()}
@@ -197,6 +199,30 @@ def test_under_batch_balance_a_lost_rank_costs_its_step_and_the_fit_ends_as_if_n
     reference = json.loads((out / "uninterrupted" / "rank0.json").read_text())
     assert reference["global_step"] == results[0]["global_step"] == 8
     assert max(abs(a - b) for a, b in zip(reference["weights"], results[0]["weights"])) < 1e-5
+
+
+def _rank_batch_size_runs(out: Path) -> tuple[Path, Runs]:
+    """Local steps with ``batch_sizes=[8, 4]`` (rank 0 trains 8 samples a step, rank 1 four): rank 1 SIGKILLed as
+    step 6 starts; then restarted to the end."""
+    env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_BATCH_SIZES="[8, 4]")
+    code, log = run([sys.executable, CASE, str(out)], {**env, "OSCARS_TEST_KILL": "6"})
+    lost = {pid for pid in pids_by_last_step(out) if rank_of(out, pid) == 1}
+    return out, [(code, log, lost), (*run([sys.executable, CASE, str(out)], env), set())]
+
+
+@pytest.mark.extended
+def test_with_per_rank_batch_sizes_a_lost_rank_costs_its_share_of_the_round(sequences):
+    out, ((first, log1, lost), (last, log2, _)) = sequences["rank_sizes"]
+    assert first != 0 and "This rank's state is saved in" in log1, log1[-3000:]
+    assert last == 0 and restored_step(log2) is not None, log2[-3000:]
+    assert_recovered(out, lost, ranks=2)
+    sizes = collections.Counter(
+        (json.loads(line)["rank"], len(json.loads(line)["indices"]))
+        for path in out.glob("trained-*.jsonl")
+        for line in path.read_text().splitlines()
+    )
+    assert {size for (rank, size), _ in sizes.items() if rank == 0} - {8} <= {4}, sizes  # 8, but the epoch's tail
+    assert {size for (rank, size), _ in sizes.items() if rank == 1} == {4}, sizes
 
 
 @pytest.mark.extended
