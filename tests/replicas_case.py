@@ -21,6 +21,7 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 from paradigm_models_case import IndexedBlobs, make_net  # noqa: E402 - the same data and models
 from torch import Tensor, nn  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_oscars  # noqa: E402 - registers the strategies by name
@@ -44,7 +45,9 @@ def digest(module: nn.Module, buffers: bool = True) -> str:
     """The module's parameters (and buffers), bit for bit."""
     h = hashlib.sha1()
     for tensor in module.state_dict().values() if buffers else module.parameters():
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        if isinstance(tensor, DTensor):  # a sharded parameter: the whole of it (gathered inside the replica)
+            tensor = tensor.full_tensor()
+        h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from lightning_oscars.core._nn_state import refresh_derived
 from lightning_oscars.dist.averaging import FlatAverager
+from lightning_oscars.dist.sharding import local_part, split_sharded
 
 __all__ = [
     "AveragedState",
@@ -52,7 +53,7 @@ class AveragedState(Protocol):
 
 
 def _fingerprint(tensor: Tensor) -> Tensor:
-    flat = tensor.detach().reshape(-1)
+    flat = local_part(tensor.detach()).reshape(-1)  # a sharded parameter: this rank's shard (no collective)
     if not flat.is_floating_point():
         flat = flat.to(torch.float64)
     return torch.stack([flat.sum(dtype=torch.float64), torch.linalg.vector_norm(flat, dtype=torch.float64)])
@@ -163,10 +164,16 @@ def write_back(held: Sequence[tuple[Any, Any, list[Tensor]]]) -> None:
             callback.load_state_dict(state)
 
 
-def average_tensors(tensors: Sequence[Tensor], weight: float, device: torch.device, group: Any = None) -> None:
+def average_tensors(
+    tensors: Sequence[Tensor], weight: float, device: torch.device, group: Any = None, shard_group: Any = None
+) -> None:
     """The weighted mean of ``tensors`` over ranks, in place, in one all-reduce (collective: every rank, the same
-    layout)."""
-    FlatAverager(tensors, 1, device).all_reduce(weight, [weight], 0, group=group)
+    layout). Sharded parameters (sharded replicas) are averaged shard by shard over ``shard_group``, in one more."""
+    shards, rest = split_sharded(tensors)
+    if shards:
+        FlatAverager(shards, 1, device).all_reduce(weight, [weight], 0, group=shard_group)
+    if rest or not shards:
+        FlatAverager(rest, 1, device).all_reduce(weight, [weight], 0, group=group)
 
 
 def agree_on_numel(tensors: Sequence[Tensor], device: torch.device, what: str, group: Any = None) -> None:
@@ -193,8 +200,9 @@ class LocalState:
     rank, so any collective it makes happens on all ranks or on none.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, shard_group: Any = None) -> None:
         self.module = module
+        self.shard_group = shard_group  # sharded replicas: the ranks holding this rank's shards (dist/sharding.py)
         self.frozen = MovingFrozen(module)
         self._held: list[tuple[Any, Any, list[Tensor]]] = []
 
@@ -214,7 +222,7 @@ class LocalState:
         has any), then refresh the derived state."""
         moved = self.frozen.adopt(summed_tail[1:])
         if moved:
-            average_tensors(moved, 1.0, device)
+            average_tensors(moved, 1.0, device, shard_group=self.shard_group)
         if summed_tail[0] > 0:
             tensors = list({id(t): t for _, _, held in self._held for t in held}.values())  # each tensor once
             agree_on_numel(tensors, device, "callbacks' state tensors")

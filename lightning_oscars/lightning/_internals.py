@@ -183,6 +183,11 @@ def first_training_dataloader(trainer: Trainer) -> object:
     return loaders
 
 
+def set_device_mesh(module: LightningModule, mesh: Any) -> None:
+    """What ``module.device_mesh`` returns in ``configure_model`` (as ``ModelParallelStrategy`` sets it)."""
+    module._device_mesh = mesh
+
+
 def training_loader_count(trainer: Trainer) -> int:
     """How many DataLoaders the fit trains on (Lightning's ``CombinedLoader`` of ``train_dataloader``)."""
     combined = trainer.fit_loop._combined_loader

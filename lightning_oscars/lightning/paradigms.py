@@ -56,6 +56,7 @@ _NOT_SERVED = {
     "replica_size": "a paradigm's ranks exchange after every step on their own; replica groups are for oscars and"
     " local_sgd",
     "replica_spans_nodes": "it configures replica_size, which a paradigm does not take",
+    "shard_replicas": "it shards the model inside a replica, and a paradigm takes no replica_size",
     "balance": "a paradigm balances by local steps on deadline rounds; balance='batch' is oscars' synchronous mode",
     "batch_sizes": "per-rank batch sizes need plain rounds, and a paradigm trains on deadline rounds",
 }

@@ -185,7 +185,7 @@ class FitSession:
         restored, self.restored = self.restored, None
         module = self.strategy.lightning_module
         assert module is not None
-        self.local_state = LocalState(module)
+        self.local_state = LocalState(module, getattr(self.strategy, "shard_group", None))
         gather = getattr(self.strategy, "module_all_gather", None)
         if gather is not None:  # lists of different lengths (what each rank trained) can be gathered
             self.adapter.patch(module, "all_gather", gather(module.all_gather))

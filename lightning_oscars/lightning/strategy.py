@@ -41,6 +41,7 @@ from lightning_oscars.lightning.batch_hooks import BatchBalanceHooks
 from lightning_oscars.lightning.collectives import LocalStepCollectives
 from lightning_oscars.lightning.recovery import FitRecovery, find_recovery_point, recovery_store
 from lightning_oscars.lightning.session import FitSession
+from lightning_oscars.lightning.sharded_replicas import ShardedReplicaHooks
 from lightning_oscars.lightning.strategy_options import (
     DDP_WRAPPER_OPTIONS,
     OPTION_NAMES,
@@ -56,7 +57,7 @@ Averaging = Literal["uniform", "samples"]
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepCollectives):
+class OscarsStrategy(OscarsOptions, RoundViews, ShardedReplicaHooks, BatchBalanceHooks, LocalStepCollectives):
     """Load-balanced local SGD for clusters whose ranks run at different speeds (the Oscars method).
 
     Args:
@@ -103,6 +104,8 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
         replica_size: ranks that train as one replica, data parallel under ``DistributedDataParallel`` while the
             rounds balance the replicas (``replicas.py``): ``1``, ``k`` consecutive ranks, or ``"node"``.
         replica_spans_nodes: allow a replica whose ranks lie on different nodes (by default an error).
+        shard_replicas: shard the model inside each replica with torch's FSDP2 (``docs/sharded-replicas.md``): a
+            rank holds ``1/k`` of the parameters, gradients and optimizer state, and averages only its shard.
         recovery: when a round's averaging fails (a rank died), every survivor saves its state, and a restarted fit
             resumes from it by itself, losing only the lost ranks' share of that round (``docs/fault-tolerance.md``).
         recovery_dir: where (default ``<default_root_dir>/oscars-recovery``; a file system every node sees).
@@ -156,6 +159,7 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
         overlap_averaging: bool = False,
         replica_size: int | Literal["node"] = 1,
         replica_spans_nodes: bool = False,
+        shard_replicas: bool = False,
         recovery: bool = True,
         recovery_dir: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
@@ -226,6 +230,8 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
         # Start from rank 0's weights. No DistributedDataParallel wrapper (no gradient all-reduce per step), except
         # with replica groups: each replica is wrapped on its own process group, so its ranks step together.
         assert self.model is not None
+        if self.device_mesh is not None:
+            return self._configure_sharded()
         internals.sync_module_states(self.model)
         if self._replica_group is not None:
             self._ddp_kwargs = {**self._replica_wrapper_options, "process_group": self._replica_group}
@@ -238,6 +244,7 @@ class OscarsStrategy(OscarsOptions, RoundViews, BatchBalanceHooks, LocalStepColl
         timeout = timedelta(seconds=internals.collective_timeout_s(self, default=DEFAULT_TIMEOUT.total_seconds()))
         place = (self.world_size, self.global_rank, self.node_rank, timeout)
         self._layout, self._replica_group = replica_groups(self.replica_size, self.replica_spans_nodes, *place)
+        self._make_replica_mesh(self._layout)  # shard_replicas: FSDP2's mesh inside each replica
         # A restart after a failed round finds the survivors' states (a collective: every rank asks).
         self._recovery_point = find_recovery_point(self, internals.trainer_of(self.lightning_module))
 

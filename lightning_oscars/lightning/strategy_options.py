@@ -21,6 +21,7 @@ from lightning_oscars.core.warmup import WarmupGate
 from lightning_oscars.dist.outer import OuterNesterovAveraging
 from lightning_oscars.dist.overlap import OverlappedAveraging
 from lightning_oscars.dist.schemes import ModelAveraging, SyncScheme
+from lightning_oscars.dist.sharding import ShardedModelAveraging
 from lightning_oscars.lightning.batch_balance import rank_device_names
 from lightning_oscars.lightning.batch_probe import auto_rank_batch_sizes
 
@@ -52,6 +53,7 @@ OPTION_NAMES = (
     "overlap_averaging",
     "replica_size",
     "replica_spans_nodes",
+    "shard_replicas",
     "recovery",
     "recovery_dir",
 )
@@ -91,6 +93,7 @@ LOCAL_STEP_OPTIONS: dict[str, Any] = {
     "outer_lr": None,
     "overlap_averaging": False,
     "replica_size": 1,
+    "shard_replicas": False,
 }
 
 
@@ -120,6 +123,44 @@ def check_balance(o: Mapping[str, Any]) -> None:
                 )
 
 
+# Options sharded replicas cannot take yet, and why (shard_replicas=True with any of them is an error naming it).
+_NOT_WITH_SHARDS = {
+    "overlap_averaging": "its posted all-reduce keeps a copy of the whole model, which a shard does not hold",
+    "outer_lr": "the outer step keeps whole-model copies of the averaged tensors",
+    "average_optimizer_state": "the optimizer state is sharded as the parameters are, and is not averaged yet",
+}
+
+
+_FLAGS = ("deadline_rounds", "timed_warmup", "overlap_averaging", "replica_spans_nodes", "shard_replicas", "recovery")
+
+
+def check_replicas(o: Mapping[str, Any]) -> None:
+    """``replica_size``, and the options a replica's ranks stepping together rule out."""
+    replica_size = o["replica_size"]
+    if replica_size != "node" and (
+        isinstance(replica_size, bool) or not isinstance(replica_size, int) or replica_size < 1
+    ):
+        raise ValueError(f"replica_size must be a positive integer or 'node', got {replica_size!r}")
+    if replica_size != 1 and o["deadline_rounds"]:
+        raise ValueError(
+            f"replica_size={replica_size!r} cannot be combined with deadline_rounds: a deadline round decides each"
+            " rank's steps by its own clock, and the ranks of a replica must step together"
+        )
+
+
+def check_sharding(o: Mapping[str, Any]) -> None:
+    """``shard_replicas`` and the options it cannot combine with, named."""
+    if not o["shard_replicas"]:
+        return
+    if o["replica_size"] == 1:
+        raise ValueError(
+            "shard_replicas=True shards the model inside a replica: set replica_size to 2 or more ranks, or 'node'"
+        )
+    for name, why in _NOT_WITH_SHARDS.items():
+        if o[name] not in (None, False):
+            raise ValueError(f"shard_replicas=True cannot be combined with {name}={o[name]!r}: {why}")
+
+
 class OscarsOptions:
     """The strategy's own constructor options as attributes (what LightningCLI prints and a config sets)."""
 
@@ -146,6 +187,7 @@ class OscarsOptions:
     overlap_averaging: bool
     replica_size: int | str
     replica_spans_nodes: bool
+    shard_replicas: bool
     recovery: bool
     recovery_dir: str | None
 
@@ -163,7 +205,7 @@ class OscarsOptions:
         seed = o["seed"]
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer or None, got {seed!r}")
-        for name in ("deadline_rounds", "timed_warmup", "overlap_averaging", "replica_spans_nodes", "recovery"):
+        for name in _FLAGS:
             if not isinstance(o[name], bool):
                 raise ValueError(f"{name} must be True or False, got {o[name]!r}")
         if o["overlap_averaging"] and o["outer_lr"] is not None:
@@ -171,16 +213,8 @@ class OscarsOptions:
                 "overlap_averaging cannot be combined with outer_lr: the outer step needs the round's mean at the"
                 " round's end, which overlapping delivers one round late"
             )
-        replica_size = o["replica_size"]
-        if replica_size != "node" and (
-            isinstance(replica_size, bool) or not isinstance(replica_size, int) or replica_size < 1
-        ):
-            raise ValueError(f"replica_size must be a positive integer or 'node', got {replica_size!r}")
-        if replica_size != 1 and o["deadline_rounds"]:
-            raise ValueError(
-                f"replica_size={replica_size!r} cannot be combined with deadline_rounds: a deadline round decides each"
-                " rank's steps by its own clock, and the ranks of a replica must step together"
-            )
+        check_replicas(o)
+        check_sharding(o)
         OuterNesterovAveraging(1.0 if o["outer_lr"] is None else o["outer_lr"], o["outer_momentum"])  # raises: bad
         policy = SchedulePolicy(
             o["solver"], **{arg: o[name] for name, arg in _POLICY_ARGS.items()}
@@ -206,14 +240,17 @@ class OscarsOptions:
         self.outer_lr = None if o["outer_lr"] is None else float(o["outer_lr"])
         self.outer_momentum = float(o["outer_momentum"])
         self.overlap_averaging = o["overlap_averaging"]
-        self.replica_size = replica_size
+        self.replica_size = o["replica_size"]
         self.replica_spans_nodes = o["replica_spans_nodes"]
+        self.shard_replicas = o["shard_replicas"]
         self.recovery, self.recovery_dir = o["recovery"], _path_or_none("recovery_dir", o["recovery_dir"])
 
     def make_scheme(self) -> SyncScheme:
         """The synchronisation scheme of a fit (override to plug in another; see ``schemes.py``): model averaging,
         followed by an outer Nesterov step when ``outer_lr`` is set, or overlapped with the next round when
         ``overlap_averaging`` is."""
+        if self.shard_replicas:
+            return ShardedModelAveraging(getattr(self, "shard_group", None))  # the group is known once ranks are
         if self.overlap_averaging:
             return OverlappedAveraging()
         if self.outer_lr is None:

@@ -1,0 +1,139 @@
+"""The strategy's hooks for ``shard_replicas=True``: FSDP2 inside each replica, as Lightning's
+``ModelParallelStrategy`` users write it, and oscars' rounds across the replicas (``dist/sharding.py``).
+
+A mixin of ``OscarsStrategy`` (``strategy.py``), inert unless ``shard_replicas`` is on:
+
+* :meth:`_make_replica_mesh` (after the replica layout is known, every rank): the device mesh, and the module's
+  ``self.device_mesh``: the replica's mesh, dims ``"data_parallel"`` (the replica's ranks) and ``"tensor_parallel"``
+  (size 1), for ``configure_model`` to call ``fully_shard(..., mesh=self.device_mesh["data_parallel"])``;
+* :meth:`_configure_sharded` (in place of the replica's DDP wrapper): a module that sharded nothing is sharded by
+  default (each top-level child holding parameters), every parameter must then be sharded, and every replica starts
+  from replica 0's shards;
+* checkpoints hold the full state (model and optimizer gathered inside each replica, written by rank 0), which loads
+  into a sharded module, and into an unsharded one, of any layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_oscars.core.replicas import ReplicaLayout
+from lightning_oscars.dist.sharding import (
+    check_shardable,
+    keyed_by_name,
+    keyed_by_position,
+    parameter_names,
+    replica_mesh,
+    shard_by_default,
+    sharded_parameters,
+    sync_sharded_states,
+)
+from lightning_oscars.lightning import _internals as internals
+
+__all__ = ["ShardedReplicaHooks"]
+
+
+class ShardedReplicaHooks(DDPStrategy):
+    """See the module docstring. The subclass calls :meth:`_make_replica_mesh` and :meth:`_configure_sharded`."""
+
+    _mesh: DeviceMesh | None = None
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The run's mesh under ``shard_replicas`` (dims ``"replicate"``, ``"data_parallel"``,
+        ``"tensor_parallel"``); ``None`` otherwise."""
+        return self._mesh
+
+    @property
+    def shard_group(self) -> Any:
+        """The ranks holding this rank's shard in every replica (``None`` without sharded replicas)."""
+        return None if self._mesh is None else self._mesh["replicate"].get_group()
+
+    def _make_replica_mesh(self, layout: ReplicaLayout) -> None:
+        options: Any = self
+        self._mesh = None
+        if not options.shard_replicas or self.world_size == 1:
+            return
+        if layout.replica_size == 1:
+            raise ValueError(
+                f"shard_replicas=True needs replicas of 2 ranks or more; replica_size={options.replica_size!r} gives"
+                f" one rank per replica on this world of {self.world_size}"
+            )
+        self._mesh = replica_mesh(layout, self.root_device.type)
+        module = self.lightning_module
+        if module is not None:
+            internals.set_device_mesh(module, self._mesh["data_parallel", "tensor_parallel"])
+
+    def _configure_sharded(self) -> None:
+        """In place of the replica's DDP wrapper (``configure_ddp``): shard, check, and start from replica 0."""
+        assert self.model is not None and self._mesh is not None
+        check_shardable(self.model)
+        if not sharded_parameters(self.model):
+            children = shard_by_default(self.model, self._mesh["data_parallel"])
+            rank_zero_info(f"oscars: shard_replicas: sharded {children} with FSDP2 inside each replica")
+        unsharded = [name for name, p in self.model.named_parameters() if not isinstance(p, DTensor)]
+        if unsharded:
+            raise ValueError(
+                f"shard_replicas=True: the parameters {unsharded} are not sharded (configure_model sharded other"
+                " parts only). Shard every submodule that holds parameters, or none and let the strategy do it."
+            )
+        sync_sharded_states(self.model, self._mesh)
+
+    # ------------------------------------------------------------------ checkpoints: the full state
+
+    def _sharded(self) -> bool:
+        return self.model is not None and bool(sharded_parameters(self.model))
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._sharded():
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.model is not None  # every rank gathers inside its replica (collective)
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._sharded():
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        assert self.model is not None
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_optimizer_state_dict(self.model, optimizer, options=full)
+        if not state:  # gathered to global rank 0 only, which writes the checkpoint
+            return {}
+        return keyed_by_position(state, parameter_names(self.model, optimizer))  # as an unsharded optimizer keys it
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._sharded():  # sharded later (by default, in configure_ddp): a plain load now
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        assert self.model is not None
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_model_state_dict(self.model, checkpoint["state_dict"], options=options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._sharded():
+            return super().load_optimizer_state_dict(checkpoint)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        assert self.model is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            by_name = keyed_by_name(state, parameter_names(self.model, optimizer))
+            set_optimizer_state_dict(self.model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,142 @@
+"""Sharded replicas on 4 ranks as 2 replicas of 2 (ranks 2-3 3x slower), several fits in the same four processes (one
+launch): FSDP2 inside each replica against DDP replicas on a pinned schedule, the model shapes users have, the module
+sharding itself in ``configure_model``, checkpoints and resume across layouts. Each rank writes what it trained and
+ended with as JSON.
+
+Usage: python tests/sharded_case.py OUT_DIR. Launched by tests/test_sharded_replicas.py (with a timeout)."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from paradigm_models_case import CLASSES, FEATURES  # noqa: E402
+from replicas_case import IndexedModule, digest, outcome, trainer  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+PINNED = {"replica_size": 2, "local_steps": [3, 1]}  # the schedule fixed: the same rounds under both
+SHARDED = {"replica_size": 2, "shard_replicas": True}
+# name -> (model, strategy options, Trainer options)
+FITS: dict[str, tuple[str, dict, dict]] = {
+    "ddp_pinned": ("mlp", PINNED, {"max_epochs": 2, "limit_val_batches": 1.0}),
+    "sharded_pinned": ("mlp", {**PINNED, **SHARDED}, {"max_epochs": 2, "limit_val_batches": 1.0}),
+    "sharded_batchnorm": ("batchnorm", SHARDED, {"max_epochs": 1, "accumulate_grad_batches": 2}),
+    "sharded_frozen": ("frozen", {**SHARDED, "solver": "uniform", "max_local_steps": 3}, {"max_epochs": 1}),
+    "sharded_transformer": ("transformer", SHARDED, {"max_epochs": 1}),
+    "sharded_configure_model": ("self_sharded", SHARDED, {"max_epochs": 1}),
+    "sharded_bf16": ("mlp", SHARDED, {"max_epochs": 1, "precision": "bf16-mixed"}),
+}
+
+
+class TinyTransformer(nn.Module):
+    """A transformer block over one token per sample: attention, layer norms and a feed-forward to shard."""
+
+    def __init__(self, features: int = FEATURES, classes: int = CLASSES, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.block = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(self.embed(x).unsqueeze(1)).squeeze(1))
+
+
+class ShardedModule(IndexedModule):
+    """Records how many parameter elements this rank holds while training, against the model's whole count."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__("mlp" if model in ("transformer", "self_sharded") else model)
+        if model == "transformer":
+            self.net = TinyTransformer()
+        self.self_sharded = model == "self_sharded"
+        self.whole = sum(p.numel() for p in self.net.parameters())
+        self.held: int | None = None
+
+    def configure_model(self) -> None:
+        if self.self_sharded:  # as ModelParallelStrategy's users write it: each layer, then the container
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        if self.held is None:
+            self.held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in self.parameters())
+        return super().training_step(batch, batch_idx)
+
+
+def sharded_outcome(module: ShardedModule, fitted: L.Trainer) -> dict:
+    result = outcome(module, fitted)
+    mesh = fitted.strategy.device_mesh
+    return {
+        **result,
+        "wrapped": type(module.net).__name__,
+        "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
+        "held": module.held,
+        "whole": module.whole,
+        "mesh": None if mesh is None else list(mesh.mesh_dim_names),
+        "parameters": digest(module.net, buffers=False),
+        "vector": torch.cat([full(p).detach().float().reshape(-1) for p in module.net.parameters()]).tolist(),
+    }
+
+
+def full(tensor: Tensor) -> Tensor:
+    """A parameter whole (a sharded one gathered inside its replica: every rank of it calls this alike)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def fit_one(name: str) -> dict:
+    model, options, trainer_options = FITS[name]
+    L.seed_everything(0, verbose=False)
+    module = ShardedModule(model)
+    frozen_before = [p.detach().clone() for p in module.parameters() if not p.requires_grad]
+    fitted = trainer(options, trainer_options)
+    fitted.fit(module)
+    result = sharded_outcome(module, fitted)
+    frozen_after = [full(p) for p in module.parameters() if not p.requires_grad]
+    result["frozen_kept"] = all(torch.equal(a, b.detach()) for a, b in zip(frozen_before, frozen_after))
+    return result
+
+
+def resume(out: Path, first: dict, then: dict) -> dict:
+    """One epoch under ``first`` saving ``last.ckpt``, then a second resumed from it under ``then``."""
+    checkpoints = out / ("resume_" + "_".join(str(v) for v in (*first.values(), "then", *then.values())))
+    result: dict = {}
+    for epochs, options in ((1, first), (2, then)):
+        L.seed_everything(0, verbose=False)
+        module = ShardedModule("mlp")
+        saving = ModelCheckpoint(checkpoints, save_last=True)
+        fitted = trainer(options, {"max_epochs": epochs}, [saving])
+        fitted.fit(module, ckpt_path=str(checkpoints / "last.ckpt") if epochs == 2 else None)
+        result = sharded_outcome(module, fitted)
+    return result
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dump_after = float(os.environ.get("OSCARS_TEST_DUMP_AFTER", "0"))
+    if dump_after > 0:  # a hang prints every rank's stack (to the test's log) and exits instead of waiting
+        faulthandler.dump_traceback_later(dump_after, exit=True)
+    results: dict[str, dict] = {name: fit_one(name) for name in FITS}
+    results["resume_sharded"] = resume(out, SHARDED, SHARDED)
+    results["resume_sharded_into_ddp"] = resume(out, SHARDED, {"replica_size": 2})
+    results["resume_ddp_into_sharded"] = resume(out, {"replica_size": 1}, SHARDED)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{results['ddp_pinned']['rank']}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()

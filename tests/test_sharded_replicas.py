@@ -1,0 +1,144 @@
+"""Sharded replicas (``shard_replicas=True``): the options refused and why, the optimizer state's portable keys, and
+(one launch of ``sharded_case.py``, 4 ranks as 2 replicas of 2, the second 3x slower) FSDP2 inside each replica
+against DDP replicas, what each rank holds, the model shapes users have, every sample once, identical ranks, and
+checkpoints resumed across layouts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from sharded_case import FITS
+from subproc import ROOT, assert_clean_exit, clean_env, run
+from torch import nn
+
+from lightning_oscars import OscarsStrategy
+from lightning_oscars.dist.sharding import keyed_by_name, keyed_by_position, parameter_names, shard_by_default
+
+TIMEOUT_S = 240
+SAMPLES = 65  # replicas_case.SAMPLES
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, "set replica_size to 2 or more ranks, or 'node'"),
+        ({"replica_size": 2, "overlap_averaging": True}, "cannot be combined with overlap_averaging=True"),
+        ({"replica_size": 2, "outer_lr": 0.7}, "cannot be combined with outer_lr=0.7"),
+        ({"replica_size": 2, "average_optimizer_state": True}, "average_optimizer_state=True: the optimizer state"),
+        ({"replica_size": 2, "balance": "batch"}, "configures local steps"),
+        ({"replica_size": "node", "shard_replicas": "yes"}, "shard_replicas must be True or False"),
+    ],
+)
+def test_options_sharded_replicas_cannot_take_are_errors_naming_them(options, message):
+    with pytest.raises(ValueError, match=message):
+        OscarsStrategy(**{"shard_replicas": True, **options})
+
+
+def test_a_paradigm_refuses_sharded_replicas():
+    from lightning_oscars.lightning.paradigms import PARADIGMS
+
+    with pytest.raises(ValueError, match="does not take shard_replicas=True"):
+        PARADIGMS["ssp"][0](shard_replicas=True)
+
+
+def test_parameters_of_the_lightning_module_itself_are_named_as_unshardable():
+    class Owner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+            self.net = nn.Linear(3, 3)
+
+    with pytest.raises(ValueError, match=r"the parameters \['scale'\] belong to the LightningModule itself"):
+        shard_by_default(Owner(), mesh=None)  # type: ignore[arg-type]
+
+
+def test_a_full_optimizer_state_keyed_by_name_and_by_position_round_trips():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    optimizer = torch.optim.Adam([{"params": model[2].parameters()}, {"params": model[0].parameters(), "lr": 0.1}])
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    names = parameter_names(model, optimizer)
+    assert names == ["2.weight", "2.bias", "0.weight", "0.bias"]
+    plain = optimizer.state_dict()  # what an unsharded optimizer writes: keyed by position
+    by_name = keyed_by_name(plain, names)
+    assert by_name["param_groups"][1]["params"] == ["0.weight", "0.bias"] and set(by_name["state"]) == set(names)
+    back = keyed_by_position(by_name, names)
+    assert back["param_groups"] == plain["param_groups"]
+    assert all(torch.equal(back["state"][i]["exp_avg"], plain["state"][i]["exp_avg"]) for i in range(4))
+
+
+# ------------------------------------------------------------------ 4 ranks, 2 replicas of 2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
+    out = tmp_path_factory.mktemp("sharded")
+    env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT_S - 20))
+    code, log = run([sys.executable, str(ROOT / "tests" / "sharded_case.py"), str(out)], TIMEOUT_S, env)
+    assert_clean_exit(code, log, TIMEOUT_S)
+    return [json.loads(Path(out / f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
+SHARDED_FITS = [name for name in FITS if name.startswith("sharded")]
+RESUMES = ["resume_sharded", "resume_sharded_into_ddp", "resume_ddp_into_sharded"]
+
+
+@pytest.mark.multiprocess
+def test_sharded_replicas_train_to_the_weights_of_ddp_replicas_on_a_pinned_schedule(results):
+    ddp, sharded = results[0]["ddp_pinned"], results[0]["sharded_pinned"]
+    assert sharded["local_steps"] == ddp["local_steps"] and sharded["global_step"] == ddp["global_step"] > 0
+    difference = max(abs(a - b) for a, b in zip(ddp["vector"], sharded["vector"]))
+    assert difference < 1e-5, "FSDP2's reduce-scatter inside a replica, shards averaged across: DDP replicas' model"
+    assert [r["sharded_pinned"]["validated"] for r in results] == [8, 8, 8, 8], "validation on the full model"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", SHARDED_FITS)
+def test_each_rank_holds_its_shard_of_every_parameter_while_training(results, name):
+    ranks = [r[name] for r in results]
+    assert all(r["sharded"] for r in ranks), "every parameter a DTensor"
+    assert ranks[0]["mesh"] == ["replicate", "data_parallel", "tensor_parallel"]
+    whole = ranks[0]["whole"]
+    for first, second in ((0, 1), (2, 3)):  # a replica's two ranks split the parameters between them
+        held = [ranks[first]["held"], ranks[second]["held"]]
+        assert sum(held) == whole and max(held) <= whole * 0.6, held
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", [*SHARDED_FITS, *RESUMES])
+def test_sharded_replicas_end_on_one_model_with_every_sample_once(results, name):
+    ranks = [r[name] for r in results]
+    assert len({r["weights"] for r in ranks}) == 1, "identical parameters and buffers on every rank after fit"
+    assert len({r["global_step"] for r in ranks}) == 1
+    for epoch in ranks[0]["trained"]:
+        trained = sorted(i for r in ranks for i in r["trained"].get(epoch, []))
+        assert trained == list(range(SAMPLES)), f"epoch {epoch}: every sample once across the ranks"
+    assert all(r["frozen_kept"] for r in ranks if "frozen_kept" in r), "a frozen layer stays as initialised"
+
+
+@pytest.mark.multiprocess
+def test_the_module_can_shard_itself_in_configure_model(results):
+    ranks = [r["sharded_configure_model"] for r in results]
+    assert ranks[0]["wrapped"].startswith("FSDP") and all(r["sharded"] for r in ranks)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("name", "sharded", "wrapped"),
+    [
+        ("resume_sharded", True, "FSDPSequential"),
+        ("resume_sharded_into_ddp", False, "Sequential"),
+        ("resume_ddp_into_sharded", True, "FSDPSequential"),
+    ],
+)
+def test_a_checkpoint_resumes_across_layouts(results, name, sharded, wrapped):
+    """One epoch saved under one layout, the second resumed under another: it goes on from the saved step (the
+    full model and optimizer state load into shards, and shards' into a whole model)."""
+    ranks = [r[name] for r in results]
+    assert all(r["sharded"] == sharded for r in ranks) and ranks[0]["wrapped"] == wrapped
+    assert list(ranks[0]["trained"]) == ["1"], "only the second epoch trained after the resume"
+    assert ranks[0]["global_step"] > 4
