@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from paradigm_models_case import CLASSES, FEATURES  # noqa: E402
-from replicas_case import IndexedModule, digest, outcome, trainer  # noqa: E402
+from replicas_case import IndexedModule, StopOnRank, digest, outcome, trainer  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -36,6 +36,8 @@ FITS: dict[str, tuple[str, dict, dict]] = {
     "sharded_transformer": ("transformer", SHARDED, {"max_epochs": 1}),
     "sharded_configure_model": ("self_sharded", SHARDED, {"max_epochs": 1}),
     "sharded_bf16": ("mlp", SHARDED, {"max_epochs": 1, "precision": "bf16-mixed"}),
+    # a batch size per replica (replica 0 on 12 per rank, replica 1 on 4), as with DDP replicas
+    "sharded_replica_sizes": ("mlp", {**SHARDED, "batch_sizes": [12, 12, 4, 4]}, {"max_epochs": 1}),
 }
 
 
@@ -110,6 +112,15 @@ def fit_one(name: str) -> dict:
     return result
 
 
+def stop_from_one_rank() -> dict:
+    """The second replica's second rank asks to stop after its second step: every rank stops at one round boundary."""
+    L.seed_everything(0, verbose=False)
+    module = ShardedModule("mlp")
+    fitted = trainer(SHARDED, {"max_epochs": 2}, [StopOnRank(3, after=2)])
+    fitted.fit(module)
+    return {**sharded_outcome(module, fitted), "epoch": fitted.current_epoch}
+
+
 def resume(out: Path, first: dict, then: dict) -> dict:
     """One epoch under ``first`` saving ``last.ckpt``, then a second resumed from it under ``then``."""
     checkpoints = out / ("resume_" + "_".join(str(v) for v in (*first.values(), "then", *then.values())))
@@ -130,6 +141,7 @@ def main() -> None:
     if dump_after > 0:  # a hang prints every rank's stack (to the test's log) and exits instead of waiting
         faulthandler.dump_traceback_later(dump_after, exit=True)
     results: dict[str, dict] = {name: fit_one(name) for name in FITS}
+    results["sharded_stop"] = stop_from_one_rank()
     results["resume_sharded"] = resume(out, SHARDED, SHARDED)
     results["resume_sharded_into_ddp"] = resume(out, SHARDED, {"replica_size": 2})
     results["resume_ddp_into_sharded"] = resume(out, {"replica_size": 1}, SHARDED)

@@ -142,3 +142,21 @@ def test_a_checkpoint_resumes_across_layouts(results, name, sharded, wrapped):
     assert all(r["sharded"] == sharded for r in ranks) and ranks[0]["wrapped"] == wrapped
     assert list(ranks[0]["trained"]) == ["1"], "only the second epoch trained after the resume"
     assert ranks[0]["global_step"] > 4
+
+
+@pytest.mark.multiprocess
+def test_each_sharded_replica_trains_its_own_batch_size(results):
+    ranks = [r["sharded_replica_sizes"] for r in results]
+    for rank, size in zip(ranks, [12, 12, 4, 4]):
+        *steps, last = rank["lengths"]
+        assert steps and set(steps) == {size} and 1 <= last <= size + 1, rank["lengths"]
+    assert sum(sum(rank["lengths"]) for rank in ranks) == SAMPLES
+
+
+@pytest.mark.multiprocess
+def test_a_stop_asked_by_one_rank_stops_every_sharded_replica_at_one_round_boundary(results):
+    ranks = [r["sharded_stop"] for r in results]
+    assert len({r["global_step"] for r in ranks}) == 1 and len({r["weights"] for r in ranks}) == 1
+    assert ranks[0]["trained"].keys() == {"0"}, "stopped in the first of two epochs"
+    trained = [i for r in ranks for i in r["trained"]["0"]]
+    assert len(trained) == len(set(trained)), "no sample twice"  # (the first round, the warm-up, is the whole epoch)
