@@ -74,10 +74,13 @@ def test_two_nodes_by_torchrun(tmp_path):
     _check_balanced_and_agreed(_run_nodes(commands, tmp_path), "TorchElasticEnvironment")
 
 
-def test_two_nodes_of_two_ranks_train_as_two_replicas_by_torchrun(tmp_path):
-    """``replica_size="node"``: the ranks of a node are one replica (DDP inside), the nodes are balanced."""
+@pytest.mark.parametrize("shard", [False, True])
+def test_two_nodes_of_two_ranks_train_as_two_replicas_by_torchrun(tmp_path, shard):
+    """``replica_size="node"``: the ranks of a node are one replica (DDP inside, or the model sharded between them
+    with ``shard_replicas``), the nodes are balanced."""
     port = free_port()
     env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_NODE_REPLICAS="1")
+    env["OSCARS_TEST_SHARD"] = "1" if shard else "0"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2"]
     rendezvous = ["--master-addr=127.0.0.1", f"--master-port={port}"]
     commands = [([*torchrun, f"--node-rank={node}", *rendezvous, JOB, str(tmp_path)], env) for node in (0, 1)]
@@ -85,6 +88,7 @@ def test_two_nodes_of_two_ranks_train_as_two_replicas_by_torchrun(tmp_path):
     for r in results:
         assert "error" not in r, r["error"]
         assert r["world_size"] == 4 and r["replica"] == r["node_rank"] == r["rank"] // 2
+        assert r["sharded"] == shard
     assert len({json.dumps(r["weights"]) for r in results}) == 1, "ranks ended with different weights"
     schedule = results[0]["schedule"]
     assert all(r["schedule"] == schedule for r in results) and len(schedule) == 2, "one entry per replica (node)"

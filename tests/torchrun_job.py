@@ -8,7 +8,8 @@ Lightning detects TorchElasticEnvironment or SLURMEnvironment from the launcher'
 emulated 3x slower. Each rank writes OUT_DIR/rank{global_rank}.json.
 
 With OSCARS_TEST_NODE_REPLICAS=1 (torchrun ``--nproc-per-node=2``): two ranks per node, each node one replica
-(``replica_size="node"``), the second node's ranks 3x slower."""
+(``replica_size="node"``), the second node's ranks 3x slower; with OSCARS_TEST_SHARD=1 as well, each replica's model
+sharded between its two ranks (``shard_replicas=True``)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from toy import ToyModule  # noqa: E402
 
 import lightning_oscars  # noqa: E402,F401  (registers strategy="oscars")
 from lightning_oscars import HeterogeneityEmulator  # noqa: E402
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter gathered inside its replica (every rank of it calls this alike), or the tensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def main() -> None:
@@ -38,7 +45,10 @@ def main() -> None:
         faulthandler.dump_traceback_later(dump_after, exit=True)
     module = ToyModule(step_cost=0.004)
     node_replicas = os.environ.get("OSCARS_TEST_NODE_REPLICAS") == "1"
-    strategy_arg: Any = lightning_oscars.OscarsStrategy(replica_size="node") if node_replicas else "oscars"
+    shard = os.environ.get("OSCARS_TEST_SHARD") == "1"  # and each replica sharded with FSDP2
+    strategy_arg: Any = (
+        lightning_oscars.OscarsStrategy(replica_size="node", shard_replicas=shard) if node_replicas else "oscars"
+    )
     trainer = L.Trainer(
         strategy=strategy_arg,
         accelerator="cpu",
@@ -68,7 +78,8 @@ def main() -> None:
         cluster_environment=type(strategy.cluster_environment).__name__,
         schedule=list(schedule.local_steps) if schedule is not None else None,
         num_averagings=getattr(strategy, "num_averagings", 0),
-        weights=torch.cat([t.detach().float().reshape(-1) for t in module.state_dict().values()]).tolist(),
+        weights=torch.cat([whole(t).detach().float().reshape(-1) for t in module.state_dict().values()]).tolist(),
+        sharded=any(isinstance(p, DTensor) for p in module.parameters()),
         global_step=trainer.global_step,
         steps_taken=module.steps_taken,
         seen=module.seen,
