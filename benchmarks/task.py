@@ -27,6 +27,7 @@ import time
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oscars import SlowdownProfile
@@ -223,20 +224,7 @@ class BenchModule(LightningModule):
         # many MB of float32 parameters that every all-reduce carries (ddp's gradients, every averaging) and that
         # take a zero gradient per step.
         self.ballast = nn.Parameter(torch.zeros(round(ballast_mb * 2**20 / 4))) if ballast_mb > 0 else None
-        self.net = (
-            digits_cnn()
-            if task == "digits"
-            else ByteTransformer()
-            if task == "text"
-            else nn.Sequential(
-                nn.Linear(32, hidden),
-                nn.BatchNorm1d(hidden),
-                nn.ReLU(),
-                nn.Linear(hidden, hidden),
-                nn.ReLU(),
-                nn.Linear(hidden, 10),
-            )
-        )
+        self.net = self.build_net()
         # (training seconds since the start, validation excluded; val loss; val acc)
         self.val_curve: list[tuple[float, float, float]] = []
         self.device_emulation = EmulatedDevice(0)  # replaced at train start, once the rank is known
@@ -249,6 +237,23 @@ class BenchModule(LightningModule):
         """Seconds of training since the start, validation excluded."""
         return time.perf_counter() - self._t0 - self._validation_s
 
+    def build_net(self) -> nn.Module:
+        """A fresh network of the task (the calibration times one when the trained one is sharded: FSDP2 modules
+        cannot be copied)."""
+        task, hidden = self.hparams.task, self.hparams.hidden
+        if task == "digits":
+            return digits_cnn()
+        if task == "text":
+            return ByteTransformer()
+        return nn.Sequential(
+            nn.Linear(32, hidden),
+            nn.BatchNorm1d(hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, 10),
+        )
+
     def forward(self, x):
         return self.net(x)
 
@@ -258,7 +263,8 @@ class BenchModule(LightningModule):
         sample = None if self.digits is None else self.digits[0].tensors
         if sample is not None:
             sample = (sample[0][: h.batch_size], sample[1][: h.batch_size])
-        self.device_emulation.calibrate(self.net, h.batch_size, sample=sample)
+        sharded = any(isinstance(p, DTensor) for p in self.net.parameters())
+        self.device_emulation.calibrate(self.build_net() if sharded else self.net, h.batch_size, sample=sample)
         self._t0 = time.perf_counter()
 
     def training_step(self, batch, batch_idx):

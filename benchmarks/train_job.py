@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 
@@ -16,6 +17,7 @@ import torch
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_oscars  # noqa: E402,F401
 from benchmarks.task import BenchModule  # noqa: E402
@@ -165,6 +167,7 @@ def _result(a: argparse.Namespace, trainer: L.Trainer, model: BenchModule, wall:
         "cluster": model.cluster,
         "per_sample_ms": a.per_sample_ms,
         "batch_size": model.hparams.batch_size,
+        "memory": _memory(trainer),
         # balance="batch": the shares of the last global batch, and how often they changed
         "shares": _shares(s),
         "history": history,
@@ -175,6 +178,24 @@ def _result(a: argparse.Namespace, trainer: L.Trainer, model: BenchModule, wall:
         "server": s.scheme.report if isinstance(s, ParameterServerStrategy) else None,
         # ripples: groups performed, mean group size, seconds in groups on rank 0; how often each pair met
         "groups": s.scheme.report if isinstance(s, RipplesStrategy) else None,
+    }
+
+
+def _memory(trainer: L.Trainer) -> dict:
+    """What rank 0 holds of the model: parameter, gradient (one per trainable parameter during a step) and optimizer
+    state bytes (a sharded replica's rank: its shards), and the process's peak resident memory."""
+
+    def held(tensor: torch.Tensor) -> int:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.numel() * local.element_size()
+
+    module = trainer.lightning_module
+    states = [t for o in trainer.optimizers for s in o.state.values() for t in s.values()]
+    return {
+        "parameter_bytes": sum(held(p) for p in module.parameters()),
+        "gradient_bytes": sum(held(p) for p in module.parameters() if p.requires_grad),
+        "optimizer_state_bytes": sum(held(t) for t in states if isinstance(t, torch.Tensor) and t.dim() > 0),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 

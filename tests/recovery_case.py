@@ -11,7 +11,8 @@ recovery point.
   (a node lost).
 * ``OSCARS_TEST_STRATEGY``: a paradigm (``bsp``, ``asp``, ``ssp``, ``dssp``, ``dasp``, ``ripples``) instead of
   ``oscars`` (the replica and deadline knobs are then ignored: a paradigm has neither option).
-* ``OSCARS_TEST_REPLICA_SIZE``: ranks per replica (default 1); ``OSCARS_TEST_DEADLINE=1``: deadline rounds;
+* ``OSCARS_TEST_REPLICA_SIZE``: ranks per replica (default 1), ``OSCARS_TEST_SHARD=1``: each replica sharded;
+  ``OSCARS_TEST_DEADLINE=1``: deadline rounds;
   ``OSCARS_TEST_PRECISION``: the Trainer's ``precision`` (default ``32-true``).
 * ``OSCARS_TEST_SIGTERM=STEP``: global rank 1 receives SIGTERM after global step STEP, once per OUT_DIR (a
   preemption notice: every rank stops at the next round boundary).
@@ -35,6 +36,7 @@ file keeps what it trained), and a rank whose fit ended writes ``OUT_DIR/rank<gl
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import io
 import json
 import os
@@ -53,6 +55,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from paradigm_models_case import IndexedBlobs, IndexedModule  # noqa: E402
 from torch import Tensor  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_oscars import HeterogeneityEmulator, OscarsStrategy  # noqa: E402
@@ -161,6 +164,19 @@ class KillAt(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class StartingWeights(L.Callback):
+    """What each rank's model holds when the fit starts (after the restore and the strategy's setup, before the
+    first collective, which merges a restart's survivors)."""
+
+    def __init__(self) -> None:
+        self.digest = ""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in pl_module.state_dict().values()]
+        flat = torch.cat([t.detach().float().reshape(-1) for t in local]).numpy().tobytes()
+        self.digest = hashlib.sha1(flat).hexdigest()
+
+
 class SigtermAfter(L.Callback):
     """Global rank 1 receives SIGTERM after ``step``, once per output directory."""
 
@@ -173,6 +189,11 @@ class SigtermAfter(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def whole(tensor: Tensor) -> Tensor:
+    """A sharded parameter gathered inside its replica (every rank of it calls this alike), or the tensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dump_after = float(os.environ.get("OSCARS_TEST_DUMP_AFTER", "0"))
@@ -182,7 +203,8 @@ def main() -> None:
     env = os.environ
     validate = env.get("OSCARS_TEST_VALIDATE") == "1"
     module = (ValidatedModule if validate else RecordedModule)(env.get("OSCARS_TEST_MODEL", "mlp"), out)
-    callbacks: list[L.Callback] = [HeterogeneityEmulator({1: float(env.get("OSCARS_TEST_SLOWDOWN", "3"))})]
+    starting = StartingWeights()
+    callbacks: list[L.Callback] = [HeterogeneityEmulator({1: float(env.get("OSCARS_TEST_SLOWDOWN", "3"))}), starting]
     if "OSCARS_TEST_KILL" in env:
         callbacks.append(KillAt(env["OSCARS_TEST_KILL"], out, int(env.get("OSCARS_TEST_KILL_RANK", "1"))))
     if env.get("OSCARS_TEST_KILL_IN") == "push":
@@ -215,6 +237,7 @@ def main() -> None:
         strategy = OscarsStrategy(
             timeout=timeout,
             replica_size=int(env.get("OSCARS_TEST_REPLICA_SIZE", "1")),
+            shard_replicas=env.get("OSCARS_TEST_SHARD") == "1",
             deadline_rounds=env.get("OSCARS_TEST_DEADLINE") == "1",
             balance=env.get("OSCARS_TEST_BALANCE", "steps"),
             batch_sizes=json.loads(env["OSCARS_TEST_BATCH_SIZES"]) if "OSCARS_TEST_BATCH_SIZES" in env else None,
@@ -242,9 +265,10 @@ def main() -> None:
         "world_size": trainer.world_size,
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
-        "weights": torch.cat([t.detach().float().reshape(-1) for t in module.state_dict().values()]).tolist(),
+        "weights": torch.cat([whole(t).detach().float().reshape(-1) for t in module.state_dict().values()]).tolist(),
         "averagings": len(strategy.history),
         "deadline_rounds": strategy.rounds is not None and strategy.rounds.pacer is not None,
+        "starting_weights": starting.digest,
         "recovery_left": sorted(p.name for p in (out / "oscars-recovery").glob("*")),
         "checkpoint_callback": trainer.checkpoint_callback.state_dict() if every else None,
     }

@@ -51,8 +51,10 @@ def sequences(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
         "replicas": _replica_runs,
         "batch": _batch_balance_runs,
         "rank_sizes": _rank_batch_size_runs,
+        "sharded": lambda out: _replica_runs(out, shard=True),
+        "two_survivors": _two_survivor_runs,
     }
-    with ThreadPoolExecutor(max_workers=len(made)) as pool:
+    with ThreadPoolExecutor(max_workers=4) as pool:  # they mostly sleep, as on a GPU; 4 at once on 2 cores
         futures = {name: pool.submit(run, tmp_path_factory.mktemp(name)) for name, run in made.items()}
         return {name: future.result() for name, future in futures.items()}
 
@@ -146,10 +148,11 @@ def test_failures_inside_validation_checkpoint_writes_saving_and_twice_in_a_row_
     assert states[0]["best_k_models"] and all(state == states[0] for state in states), states
 
 
-def _replica_runs(out: Path) -> tuple[Path, Runs]:
-    """Four ranks in two replicas of two (``replica_size=2``), bf16 mixed precision; rank 2 is SIGKILLed mid-epoch;
-    then to the end."""
+def _replica_runs(out: Path, shard: bool = False) -> tuple[Path, Runs]:
+    """Four ranks in two replicas of two (``replica_size=2``; with ``shard``, each replica's model sharded between
+    its ranks), bf16 mixed precision; rank 2 is SIGKILLed mid-epoch; then to the end."""
     env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_DEVICES="4", OSCARS_TEST_REPLICA_SIZE="2")
+    env["OSCARS_TEST_SHARD"] = "1" if shard else "0"
     # Four ranks start beside two other sequences' on two cores: once, a restart's ranks waited more than 30 s for
     # rank 0's rendezvous store. The failure itself is seen from a closed connection, not from this timeout.
     env["OSCARS_TEST_TIMEOUT_S"] = "90"
@@ -160,11 +163,12 @@ def _replica_runs(out: Path) -> tuple[Path, Runs]:
 
 
 @pytest.mark.extended
-def test_with_replica_groups_a_replica_is_the_unit_lost(sequences):
-    """Rank 2's replica partner fails inside a step's gradient all-reduce and saves nothing; replica 0's ranks save
-    at the averaging. The restart (four ranks) resumes replica 0 from its state and replica 1 from a copy, merged
-    with no weight."""
-    out, ((first, log1, lost), (last, log2, _)) = sequences["replicas"]
+@pytest.mark.parametrize("sequence", ["replicas", "sharded"])
+def test_with_replica_groups_a_replica_is_the_unit_lost(sequences, sequence):
+    """Rank 2's replica partner fails inside a step's gradient all-reduce (sharded: an all-gather or reduce-scatter)
+    and saves nothing; replica 0's ranks save at the averaging. The restart (four ranks) resumes replica 0 from its
+    state and replica 1 from a copy, merged with no weight."""
+    out, ((first, log1, lost), (last, log2, _)) = sequences[sequence]
     assert first != 0 and log1.count("This rank's state is saved in") == 2, log1[-4000:]
     assert last == 0 and restored_step(log2) is not None, log2[:3000] + "\n[...]\n" + log2[-4000:]
     assert_recovered(out, lost, ranks=4)
@@ -199,6 +203,27 @@ def test_under_batch_balance_a_lost_rank_costs_its_step_and_the_fit_ends_as_if_n
     reference = json.loads((out / "uninterrupted" / "rank0.json").read_text())
     assert reference["global_step"] == results[0]["global_step"] == 8
     assert max(abs(a - b) for a, b in zip(reference["weights"], results[0]["weights"])) < 1e-5
+
+
+def _two_survivor_runs(out: Path) -> tuple[Path, Runs]:
+    """Three ranks, rank 2 SIGKILLed as step 6 starts (ranks 0 and 1 survive, each with its own progress since the
+    last averaging); then three ranks to the end."""
+    env = clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20), OSCARS_TEST_DEVICES="3")
+    code, log = run([sys.executable, CASE, str(out)], {**env, "OSCARS_TEST_KILL": "6", "OSCARS_TEST_KILL_RANK": "2"})
+    lost = {pid for pid in pids_by_last_step(out) if rank_of(out, pid) == 2}
+    return out, [(code, log, lost), (*run([sys.executable, CASE, str(out)], env), set())]
+
+
+@pytest.mark.extended
+def test_a_restart_merges_every_survivors_own_model(sequences):
+    """The restarted ranks start from their own survivors' states (rank 2, which the failed world lost, from a copy
+    of rank 0's), not all from rank 0's: the first collective merges them, and the fit ends on one model."""
+    out, ((first, log1, lost), (last, log2, _)) = sequences["two_survivors"]
+    assert first != 0 and log1.count("This rank's state is saved in") == 2, log1[-3000:]
+    assert last == 0 and restored_step(log2) is not None, log2[-3000:]
+    results = assert_recovered(out, lost, ranks=3)
+    starting = [r["starting_weights"] for r in results]
+    assert starting[0] == starting[2] != starting[1], "each survivor's own state until the merge"
 
 
 def _rank_batch_size_runs(out: Path) -> tuple[Path, Runs]:

@@ -212,3 +212,15 @@ def test_main_writes_the_markdown_and_the_json(tmp_path, capsys):
     assert payload["cold_start"]["16"]["ripples_static"] > 0
     report = out.with_suffix(".md").read_text()
     assert "| ripples_smart |" in report and "cold board" in report
+
+
+def test_sharded_replicas_at_scale_hold_a_kth_of_the_state_and_beat_a_fixed_sync_period():
+    from benchmarks.simulator.sharded import ShardedCluster, sharded_row
+
+    cluster = ShardedCluster(4, mix="generations")
+    row = sharded_row(cluster, steps_per_replica=60)
+    assert row["memory_gb_sharded"] == pytest.approx(row["memory_gb_ddp_replica"] / 8) == pytest.approx(14.0)
+    assert row["shard_averaging_ms"] < row["ddp_replica_averaging_ms"], "a GPU sends 1/k of the model, nothing inside"
+    # Half the nodes at 0.4x: a fixed sync period holds the fast nodes to the slow ones' pace (about 0.57 of ideal
+    # at best), balanced rounds do not.
+    assert row["fixed sync_every (torchft-style)"] < 0.6 < row["oscars, sharded replicas"]

@@ -21,6 +21,7 @@ steps since, are what is merged, and the restarted fit starts a fresh server fro
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from lightning_oscars.core.loader import LoadBalancedLoader
 from lightning_oscars.core.partition import EpochPlan
 from lightning_oscars.core.recovery_points import RecoveryPoint, RecoveryStore, default_recovery_dir, model_fingerprint
 from lightning_oscars.core.rounds import RoundController
-from lightning_oscars.dist.averaging import FlatAverager
+from lightning_oscars.dist.local_state import average_tensors
 from lightning_oscars.dist.schemes import SyncScheme
 from lightning_oscars.lightning import _internals as internals
 
@@ -126,7 +127,9 @@ class FitRecovery:
         if stopped and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
             return None  # a stop's point only where an agent restarts the ranks (torchrun --max-restarts=K)
         epoch = trainer.current_epoch
-        checkpoint = internals.full_checkpoint(trainer)
+        # Every survivor writes its replica's whole state (sharded replicas: gathered on each of its ranks).
+        with getattr(trainer.strategy, "full_state_on_every_rank", nullcontext)():
+            checkpoint = internals.full_checkpoint(trainer)
         rounds_state = rounds.state_dict()
         checkpoint["oscars"] = {
             **rounds_state,
@@ -176,12 +179,15 @@ class FitRecovery:
         """The resumed epoch's order of samples (the failed world's: its units must mean the same samples)."""
         return self._order[1] if self._order is not None and self._order[0] == epoch else None
 
-    def merge(self, tensors: list[torch.Tensor], device: torch.device) -> None:
-        """The restarted fit's first collective: the survivors' models merged (every rank, one all-reduce)."""
+    def merge(self, tensors: list[torch.Tensor], device: torch.device, shard_group: Any = None) -> None:
+        """The restarted fit's first collective: the survivors' models merged (every rank, one all-reduce; sharded
+        replicas: each shard over its ``shard_group``, every rank of a surviving replica weighing 1, then the rest)."""
         assert self.point is not None
-        weight = self.point.merge_weight(self.rank, self.replica_size)
-        averager = FlatAverager(tensors, 1, device)
-        averager.all_reduce(weight, [weight], 0)
+        if shard_group is None:
+            weight = self.point.merge_weight(self.rank, self.replica_size)
+        else:  # a replica's ranks hold different shards: each carries its replica's weight
+            weight = self.point.merge_weight(self.rank - self.rank % self.replica_size, self.replica_size)
+        average_tensors(tensors, weight, device, shard_group=shard_group)
         self.merged = True
 
     def averaged(self) -> None:

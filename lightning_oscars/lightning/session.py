@@ -200,7 +200,8 @@ class FitSession:
         if recovery is not None and restored is not None:  # a new world: fresh schedule, the survivors merged
             recovery.resume(self.rounds, loader, restored, trainer.current_epoch, position, units)
             # Before the scheme is bound: a parameter server starts from the merged model.
-            recovery.merge(self._synchronized_tensors(trainer), self.strategy.root_device)
+            shard_group = getattr(self.strategy, "shard_group", None)
+            recovery.merge(self._synchronized_tensors(trainer), self.strategy.root_device, shard_group)
             going_on = self.rounds.continuation
             if going_on is not None and loader is not None:
                 self._bound_epoch(loader, at_least=going_on.slot_bound(self.rounds.epoch_slot_bound))

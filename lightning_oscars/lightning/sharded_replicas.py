@@ -15,9 +15,12 @@ A mixin of ``OscarsStrategy`` (``strategy.py``), inert unless ``shard_replicas``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -42,10 +45,15 @@ from lightning_oscars.lightning import _internals as internals
 __all__ = ["ShardedReplicaHooks"]
 
 
+def to_cpu(state: Any) -> Any:
+    return apply_to_collection(state, torch.Tensor, lambda t: t.cpu())
+
+
 class ShardedReplicaHooks(DDPStrategy):
     """See the module docstring. The subclass calls :meth:`_make_replica_mesh` and :meth:`_configure_sharded`."""
 
     _mesh: DeviceMesh | None = None
+    _everywhere = False  # gather the full state on every rank, not only global rank 0 (a recovery point's save)
 
     @property
     def device_mesh(self) -> DeviceMesh | None:
@@ -73,8 +81,9 @@ class ShardedReplicaHooks(DDPStrategy):
         if module is not None:
             internals.set_device_mesh(module, self._mesh["data_parallel", "tensor_parallel"])
 
-    def _configure_sharded(self) -> None:
-        """In place of the replica's DDP wrapper (``configure_ddp``): shard, check, and start from replica 0."""
+    def _configure_sharded(self, sync: bool = True) -> None:
+        """In place of the replica's DDP wrapper (``configure_ddp``): shard, check, and start from replica 0 (unless
+        not ``sync``: a restart's survivors, merged at the first collective)."""
         assert self.model is not None and self._mesh is not None
         check_shardable(self.model)
         if not sharded_parameters(self.model):
@@ -86,33 +95,48 @@ class ShardedReplicaHooks(DDPStrategy):
                 f"shard_replicas=True: the parameters {unsharded} are not sharded (configure_model sharded other"
                 " parts only). Shard every submodule that holds parameters, or none and let the strategy do it."
             )
-        sync_sharded_states(self.model, self._mesh)
+        if sync:
+            sync_sharded_states(self.model, self._mesh)
 
     # ------------------------------------------------------------------ checkpoints: the full state
 
     def _sharded(self) -> bool:
         return self.model is not None and bool(sharded_parameters(self.model))
 
+    @contextmanager
+    def full_state_on_every_rank(self) -> Iterator[None]:
+        """Within: the model and optimizer state are gathered whole on every rank (each replica's survivors save
+        their replica's state for a restart), not only on global rank 0."""
+        self._everywhere = True
+        try:
+            yield
+        finally:
+            self._everywhere = False
+
+    def _full_options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=not self._everywhere)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self._sharded():
             return super().lightning_module_state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         assert self.model is not None  # every rank gathers inside its replica (collective)
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return to_cpu(get_model_state_dict(self.model, options=self._full_options()))
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._sharded():
             return super().optimizer_state(optimizer)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
         assert self.model is not None
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_optimizer_state_dict(self.model, optimizer, options=full)
+        state = to_cpu(get_optimizer_state_dict(self.model, optimizer, options=self._full_options()))
         if not state:  # gathered to global rank 0 only, which writes the checkpoint
             return {}
         return keyed_by_position(state, parameter_names(self.model, optimizer))  # as an unsharded optimizer keys it

@@ -227,12 +227,14 @@ class OscarsStrategy(OscarsOptions, RoundViews, ShardedReplicaHooks, BatchBalanc
 
     @override
     def configure_ddp(self) -> None:
-        # Start from rank 0's weights. No DistributedDataParallel wrapper (no gradient all-reduce per step), except
-        # with replica groups: each replica is wrapped on its own process group, so its ranks step together.
+        # Start from rank 0's weights (a restart after a lost rank: from each survivor's own, merged at the first
+        # collective). No DistributedDataParallel wrapper (no gradient all-reduce per step), except with replica
+        # groups: each replica is wrapped on its own process group, so its ranks step together.
         assert self.model is not None
         if self.device_mesh is not None:
-            return self._configure_sharded()
-        internals.sync_module_states(self.model)
+            return self._configure_sharded(sync=self._recovery_point is None)
+        if self._recovery_point is None:
+            internals.sync_module_states(self.model)
         if self._replica_group is not None:
             self._ddp_kwargs = {**self._replica_wrapper_options, "process_group": self._replica_group}
             super().configure_ddp()
