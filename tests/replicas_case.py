@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -165,15 +166,22 @@ def stop_from_one_rank() -> dict:
 def resume_across_layouts(out: Path, first: int, then: int) -> dict:
     """One epoch with ``replica_size=first`` saving ``last.ckpt``, then a second epoch resumed from it with
     ``replica_size=then``."""
-    checkpoints = out / f"layouts_{first}_{then}"
+    return resume_between(out / f"layouts_{first}_{then}", {"replica_size": first}, {"replica_size": then})
+
+
+def resume_between(
+    checkpoints: Path, first: dict, then: dict, make: Any = IndexedModule, report: Any = outcome
+) -> dict:
+    """One epoch under the strategy options ``first`` saving ``last.ckpt``, then a second resumed from it under
+    ``then``; ``report(module, trainer)`` of the second (``make("mlp")`` builds the module)."""
     result: dict = {}
-    for epochs, size in ((1, first), (2, then)):
+    for epochs, options in ((1, first), (2, then)):
         L.seed_everything(0, verbose=False)
-        module = IndexedModule("mlp")
+        module = make("mlp")
         saving = L.pytorch.callbacks.ModelCheckpoint(checkpoints, save_last=True)
-        fitted = trainer({"replica_size": size}, {"max_epochs": epochs}, [saving])
+        fitted = trainer(options, {"max_epochs": epochs}, [saving])
         fitted.fit(module, ckpt_path=str(checkpoints / "last.ckpt") if epochs == 2 else None)
-        result = outcome(module, fitted)
+        result = report(module, fitted)
     return result
 
 

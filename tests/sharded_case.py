@@ -18,9 +18,8 @@ import torch
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from paradigm_models_case import CLASSES, FEATURES  # noqa: E402
-from replicas_case import IndexedModule, StopOnRank, digest, outcome, trainer  # noqa: E402
+from replicas_case import IndexedModule, StopOnRank, digest, outcome, resume_between, trainer  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -124,15 +123,7 @@ def stop_from_one_rank() -> dict:
 def resume(out: Path, first: dict, then: dict) -> dict:
     """One epoch under ``first`` saving ``last.ckpt``, then a second resumed from it under ``then``."""
     checkpoints = out / ("resume_" + "_".join(str(v) for v in (*first.values(), "then", *then.values())))
-    result: dict = {}
-    for epochs, options in ((1, first), (2, then)):
-        L.seed_everything(0, verbose=False)
-        module = ShardedModule("mlp")
-        saving = ModelCheckpoint(checkpoints, save_last=True)
-        fitted = trainer(options, {"max_epochs": epochs}, [saving])
-        fitted.fit(module, ckpt_path=str(checkpoints / "last.ckpt") if epochs == 2 else None)
-        result = sharded_outcome(module, fitted)
-    return result
+    return resume_between(checkpoints, first, then, ShardedModule, sharded_outcome)
 
 
 def main() -> None:
