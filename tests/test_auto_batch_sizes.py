@@ -10,12 +10,13 @@ from contextlib import contextmanager
 import lightning as L
 import pytest
 import torch
+from test_averaging import gloo  # noqa: F401 - the one-rank gloo group fixture
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_oscars import OscarsStrategy
 from lightning_oscars.core.memory_fit import MemoryModel, scaled_batch_sizes
-from lightning_oscars.lightning.batch_probe import auto_batch_fits, probe_largest_batch
+from lightning_oscars.lightning.batch_probe import auto_batch_fits, probe_largest_batch, probe_problem
 
 
 def test_the_memory_line_is_fitted_and_met_at_the_capacity_less_margin_and_reserve():
@@ -137,6 +138,20 @@ def test_the_probe_leaves_no_trace():
     assert all(p.grad is None for p in module.parameters())
     assert not any(m.training for m in module.modules()), "eval mode as it was"
     assert "log" not in vars(module) and "log_dict" not in vars(module), "self.log is the module's own again"
+
+
+def test_the_probe_is_not_run_where_its_collectives_could_not_stay_matched(gloo):  # noqa: F811
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    assert probe_problem(Probed(), _loader()) is None
+    manual = Probed()
+    manual.automatic_optimization = False
+    assert "manual optimization" in (probe_problem(manual, _loader()) or "")
+    assert "map-style" in (probe_problem(Probed(), [1, 2]) or "")
+    sharded = Probed()
+    fully_shard(sharded.net, mesh=init_device_mesh("cpu", (1,)))
+    assert "sharded" in (probe_problem(sharded, _loader()) or "")
 
 
 def test_off_cuda_auto_keeps_the_dataloaders_batch_size_and_the_option_is_taken():

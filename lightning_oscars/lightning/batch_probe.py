@@ -23,12 +23,20 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_oscars.core.memory_fit import MemoryModel, scaled_batch_sizes
 from lightning_oscars.lightning import _internals as internals
 
-__all__ = ["CudaMemoryGauge", "MemoryGauge", "auto_batch_fits", "auto_rank_batch_sizes", "probe_largest_batch"]
+__all__ = [
+    "CudaMemoryGauge",
+    "MemoryGauge",
+    "auto_batch_fits",
+    "auto_rank_batch_sizes",
+    "probe_largest_batch",
+    "probe_problem",
+]
 
 DEFAULT_MARGIN = 0.1  # of the device's memory, kept free: fragmentation, longer samples, the next step's temporaries
 # The optimizer's state per parameter byte at its first step, by optimizer class (others: 2, Adam's, to be safe).
@@ -175,6 +183,19 @@ def _no_context() -> Iterator[None]:
     yield
 
 
+def probe_problem(module: LightningModule, dataloader: object) -> str | None:
+    """Why the probe cannot run on this module and loader (the same answer on every rank), or ``None``."""
+    if not module.automatic_optimization:
+        return "manual optimization steps the optimizer inside training_step"
+    if not isinstance(dataloader, DataLoader) or not hasattr(dataloader.dataset, "__len__"):
+        return "the training set is not a map-style dataset of a torch DataLoader"
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        # A sharded forward gathers inside the replica: a rank running out of memory at a size its partner does
+        # not would leave the partner waiting in the next gather.
+        return "the model is sharded (shard_replicas), and a probe's collectives could not stay matched"
+    return None
+
+
 def auto_batch_fits(strategy: ParallelStrategy, dataloader: object) -> list[int] | None:
     """Every rank's largest batch (one all-gather, on every rank), or ``None`` off CUDA and where the probe cannot
     run (a warning says why): the user's ``batch_size`` everywhere."""
@@ -182,11 +203,7 @@ def auto_batch_fits(strategy: ParallelStrategy, dataloader: object) -> list[int]
     module = strategy.lightning_module
     if device.type != "cuda" or module is None:
         return None
-    problem = None
-    if not module.automatic_optimization:
-        problem = "manual optimization steps the optimizer inside training_step"
-    elif not isinstance(dataloader, DataLoader) or not hasattr(dataloader.dataset, "__len__"):
-        problem = "the training set is not a map-style dataset of a torch DataLoader"
+    problem = probe_problem(module, dataloader)
     fit = 0
     if problem is None:
         assert isinstance(dataloader, DataLoader)
