@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 PINNED = {"replica_size": 2, "local_steps": [3, 1]}  # the schedule fixed: the same rounds under both
 SHARDED = {"replica_size": 2, "shard_replicas": True}
+MIXED = {"mp_policy": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}, "reshard_after_forward": False}
 # name -> (model, strategy options, Trainer options)
 FITS: dict[str, tuple[str, dict, dict]] = {
     "ddp_pinned": ("mlp", PINNED, {"max_epochs": 2, "limit_val_batches": 1.0}),
@@ -37,6 +38,8 @@ FITS: dict[str, tuple[str, dict, dict]] = {
     "sharded_bf16": ("mlp", SHARDED, {"max_epochs": 1, "precision": "bf16-mixed"}),
     # a batch size per replica (replica 0 on 12 per rank, replica 1 on 4), as with DDP replicas
     "sharded_replica_sizes": ("mlp", {**SHARDED, "batch_sizes": [12, 12, 4, 4]}, {"max_epochs": 1}),
+    # FSDP2's own mixed precision for the default sharding: bf16 compute, the shards (and their averaging) in fp32
+    "sharded_fsdp_mixed_precision": ("mlp", {**SHARDED, "shard_options": MIXED}, {"max_epochs": 1}),
 }
 
 
@@ -63,6 +66,12 @@ class ShardedModule(IndexedModule):
         self.self_sharded = model == "self_sharded"
         self.whole = sum(p.numel() for p in self.net.parameters())
         self.held: int | None = None
+        self.computed_in = ""  # the dtype of the network's output in training
+        self.net.register_forward_hook(self._record_dtype)
+
+    def _record_dtype(self, net: nn.Module, inputs: object, output: Tensor) -> None:
+        if self.training:
+            self.computed_in = str(output.dtype)
 
     def configure_model(self) -> None:
         if self.self_sharded:  # as ModelParallelStrategy's users write it: each layer, then the container
@@ -87,6 +96,8 @@ def sharded_outcome(module: ShardedModule, fitted: L.Trainer) -> dict:
         "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
         "held": module.held,
         "whole": module.whole,
+        "computed_in": module.computed_in,
+        "stored_in": sorted({str(p.dtype) for p in module.parameters()}),
         "mesh": None if mesh is None else list(mesh.mesh_dim_names),
         "parameters": digest(module.net, buffers=False),
         "vector": torch.cat([full(p).detach().float().reshape(-1) for p in module.net.parameters()]).tolist(),
@@ -126,6 +137,64 @@ def resume(out: Path, first: dict, then: dict) -> dict:
     return resume_between(checkpoints, first, then, ShardedModule, sharded_outcome)
 
 
+# name -> (strategy options saving, strategy options loading, the saving module's model, the loading module's)
+ROUND_TRIPS: dict[str, tuple[dict, dict, str, str]] = {
+    "distributed_into_sharded": (SHARDED, SHARDED, "batchnorm", "batchnorm"),
+    "distributed_into_self_sharded": (SHARDED, SHARDED, "mlp", "self_sharded"),
+    "distributed_into_ddp_replicas": (SHARDED, {"replica_size": 2}, "batchnorm", "batchnorm"),
+    "distributed_into_plain": (SHARDED, {"replica_size": 1}, "batchnorm", "batchnorm"),
+    "full_into_sharded": ({**SHARDED, "save_distributed_checkpoint": False}, SHARDED, "batchnorm", "batchnorm"),
+    # Lightning's own ModelParallelStrategy (4-way sharding) loads it, the module sharding itself
+    "distributed_into_model_parallel": (SHARDED, {"model_parallel": True}, "mlp", "self_sharded"),
+}
+
+
+def loading_trainer(options: dict) -> L.Trainer:
+    if not options.get("model_parallel"):
+        return trainer(options, {"max_epochs": 1})
+    strategy = L.pytorch.strategies.ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)
+    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_epochs=1, **quiet)
+
+
+def held_state(module: ShardedModule, optimizer: torch.optim.Optimizer) -> dict:
+    """The module's parameters and buffers and the optimizer's momentum, whole (gathered inside the replica)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    moments = get_optimizer_state_dict(module, optimizer, options=whole)["state"]
+    return {
+        "model": {name: full(t).detach().float().reshape(-1).tolist() for name, t in module.net.state_dict().items()},
+        "momentum": {name: s["momentum_buffer"].reshape(-1).tolist() for name, s in sorted(moments.items())},
+    }
+
+
+def round_trip(out: Path, name: str) -> dict:
+    """One epoch under the saving options, checkpointed at its end; then a fit under the loading options from a
+    differently seeded module that only loads the checkpoint (its one epoch is done): what it holds after loading."""
+    saving, loading, saved_model, model = ROUND_TRIPS[name]
+    folder = out / f"round_trip_{name}"
+    L.seed_everything(0, verbose=False)
+    module = ShardedModule(saved_model)
+    fitted = trainer(saving, {"max_epochs": 1}, [L.pytorch.callbacks.ModelCheckpoint(folder, save_last=True)])
+    fitted.fit(module)
+    saved = held_state(module, fitted.strategy.optimizers[0])
+    L.seed_everything(1, verbose=False)
+    module = ShardedModule(model)
+    fitted = loading_trainer(loading)
+    fitted.fit(module, ckpt_path=str(folder / "last.ckpt"))
+    checkpoint = folder / "last.ckpt"
+    files = {p.name: p.stat().st_size for p in checkpoint.iterdir()} if checkpoint.is_dir() else None
+    return {
+        "saved": saved,
+        "loaded": held_state(module, fitted.strategy.optimizers[0]),
+        "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
+        "global_step": fitted.global_step,
+        "files": files,
+        "checkpoint": str(checkpoint),
+    }
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dump_after = float(os.environ.get("OSCARS_TEST_DUMP_AFTER", "0"))
@@ -136,6 +205,7 @@ def main() -> None:
     results["resume_sharded"] = resume(out, SHARDED, SHARDED)
     results["resume_sharded_into_ddp"] = resume(out, SHARDED, {"replica_size": 2})
     results["resume_ddp_into_sharded"] = resume(out, {"replica_size": 1}, SHARDED)
+    results.update({f"round_trip_{name}": round_trip(out, name) for name in ROUND_TRIPS})
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{results['ddp_pinned']['rank']}.json").write_text(json.dumps(results))
 

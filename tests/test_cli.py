@@ -3,6 +3,8 @@ option, and every config trains on 2 CPU ranks (subprocess, hard timeout)."""
 
 from __future__ import annotations
 
+import json
+
 import csv
 import inspect
 import sys
@@ -128,6 +130,15 @@ def test_batch_sizes_from_command_line(example_cli, tmp_path, given, expected):
 def test_replica_size_from_command_line(example_cli, tmp_path, given, expected):
     cli = _cli(example_cli, "oscars_full.yaml", tmp_path, f"--trainer.strategy.init_args.replica_size={given}")
     assert cli.trainer.strategy.replica_size == expected
+
+
+def test_shard_options_from_command_line(example_cli, tmp_path):
+    given = {"reshard_after_forward": False, "mp_policy": {"param_dtype": "bfloat16"}}
+    prefix = "--trainer.strategy.init_args."
+    sharded = [f"{prefix}replica_size=2", f"{prefix}shard_replicas=true", f"{prefix}save_distributed_checkpoint=false"]
+    cli = _cli(example_cli, "oscars_full.yaml", tmp_path, *sharded, f"{prefix}shard_options={json.dumps(given)}")
+    strategy = cli.trainer.strategy
+    assert strategy.shard_options == given and strategy.save_distributed_checkpoint is False
 
 
 def test_invalid_option_is_rejected(example_cli, tmp_path):

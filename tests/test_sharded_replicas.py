@@ -6,17 +6,24 @@ checkpoints resumed across layouts."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from sharded_case import FITS
+from sharded_case import FITS, ROUND_TRIPS
 from subproc import ROOT, assert_clean_exit, clean_env, run
 from torch import nn
 
 from lightning_oscars import OscarsStrategy
-from lightning_oscars.dist.sharding import keyed_by_name, keyed_by_position, parameter_names, shard_by_default
+from lightning_oscars.dist.sharding import (
+    fsdp_keywords,
+    keyed_by_name,
+    keyed_by_position,
+    parameter_names,
+    shard_by_default,
+)
 
 TIMEOUT_S = 240
 SAMPLES = 65  # replicas_case.SAMPLES
@@ -31,6 +38,9 @@ SAMPLES = 65  # replicas_case.SAMPLES
         ({"replica_size": 2, "average_optimizer_state": True}, "average_optimizer_state=True: the optimizer state"),
         ({"replica_size": 2, "balance": "batch"}, "configures local steps"),
         ({"replica_size": "node", "shard_replicas": "yes"}, "shard_replicas must be True or False"),
+        ({"replica_size": 2, "shard_replicas": False, "shard_options": {"mesh": 1}}, "set shard_replicas=True"),
+        ({"replica_size": 2, "shard_replicas": True, "shard_options": {"mesh": 1}}, "shard_options takes"),
+        ({"replica_size": 2, "shard_replicas": True, "save_distributed_checkpoint": 1}, "must be True or False"),
     ],
 )
 def test_options_sharded_replicas_cannot_take_are_errors_naming_them(options, message):
@@ -54,6 +64,23 @@ def test_parameters_of_the_lightning_module_itself_are_named_as_unshardable():
 
     with pytest.raises(ValueError, match=r"the parameters \['scale'\] belong to the LightningModule itself"):
         shard_by_default(Owner(), mesh=None)  # type: ignore[arg-type]
+
+
+def test_shard_options_become_fsdp2_keywords_and_bad_ones_are_named():
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    keywords = fsdp_keywords({"mp_policy": {"param_dtype": "bfloat16"}, "offload_policy": "cpu"})
+    assert keywords["mp_policy"] == MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    assert isinstance(keywords["offload_policy"], CPUOffloadPolicy)
+    assert fsdp_keywords({"reshard_after_forward": 2}) == {"reshard_after_forward": 2}  # FSDP2's own value, as given
+    for bad, named in [
+        ({"mp_policy": {"param_dtype": "bf"}}, "['mp_policy']['param_dtype'] must be a dtype or its name, got 'bf'"),
+        ({"mp_policy": {"dtype": "float16"}}, "shard_options['mp_policy']"),
+        ({"reshard_after_forward": 0}, "must be True, False or a group size, got 0"),
+        ({"offload_policy": "disk"}, "must be 'cpu' or an OffloadPolicy"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            fsdp_keywords(bad)
 
 
 def test_a_full_optimizer_state_keyed_by_name_and_by_position_round_trips():
@@ -142,6 +169,41 @@ def test_a_checkpoint_resumes_across_layouts(results, name, sharded, wrapped):
     assert all(r["sharded"] == sharded for r in ranks) and ranks[0]["wrapped"] == wrapped
     assert list(ranks[0]["trained"]) == ["1"], "only the second epoch trained after the resume"
     assert ranks[0]["global_step"] > 4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(ROUND_TRIPS))
+def test_a_checkpoint_loads_replica_0s_model_and_optimizer_into_every_layout(results, name):
+    """Saved at an epoch's end (a distributed checkpoint by default, a full-state file on request), loaded by a
+    differently initialised module under another layout (sharded, the module sharding itself, DDP replicas, plain
+    oscars, Lightning's ModelParallelStrategy sharding 4 ways): every rank holds the saved parameters, buffers and
+    momentum exactly (the momentum is replica 0's: each replica's optimizer state is its own)."""
+    ranks = [r[f"round_trip_{name}"] for r in results]
+    saved = ranks[0]["saved"]
+    assert ranks[2]["saved"]["momentum"] != saved["momentum"], "the replicas' optimizer states differ"
+    for rank in ranks:
+        assert rank["saved"]["model"] == saved["model"], "one model on every rank when saved"
+        assert rank["loaded"]["model"] == saved["model"] and rank["loaded"]["momentum"] == saved["momentum"]
+    assert all(r["sharded"] for r in ranks) == ("ddp" not in name and "plain" not in name)
+
+
+@pytest.mark.multiprocess
+def test_a_distributed_checkpoint_is_the_shards_of_replica_0(results):
+    """A directory in Lightning's layout: torch's distributed checkpoint and meta.pt; each rank of replica 0 wrote its
+    own shards, the other replica nothing (it holds the same model)."""
+    files = results[0]["round_trip_distributed_into_sharded"]["files"]
+    assert {".metadata", "meta.pt"} <= set(files)
+    assert files["__0_0.distcp"] > 0 and files["__1_0.distcp"] > 0
+    assert files.get("__2_0.distcp", 0) == 0 and files.get("__3_0.distcp", 0) == 0
+    assert results[0]["round_trip_full_into_sharded"]["files"] is None, "save_distributed_checkpoint=False: a file"
+
+
+@pytest.mark.multiprocess
+def test_shard_options_give_fsdp2s_mixed_precision_to_the_default_sharding(results):
+    ranks = [r["sharded_fsdp_mixed_precision"] for r in results]
+    assert all(r["computed_in"] == "torch.bfloat16" for r in ranks), "forward in bf16 (mp_policy's param_dtype)"
+    assert all(r["stored_in"] == ["torch.float32"] for r in ranks), "the shards kept in fp32"
+    assert results[0]["sharded_pinned"]["computed_in"] == "torch.float32"
 
 
 @pytest.mark.multiprocess

@@ -31,7 +31,9 @@ from lightning_oscars.dist.schemes import RoundMeeting, SyncScheme
 __all__ = [
     "MESH_DIMS",
     "ShardedModelAveraging",
+    "SHARD_OPTIONS",
     "check_shardable",
+    "fsdp_keywords",
     "keyed_by_name",
     "keyed_by_position",
     "local_part",
@@ -44,6 +46,57 @@ __all__ = [
 ]
 
 MESH_DIMS = ("replicate", "data_parallel", "tensor_parallel")
+# FSDP2's own options (``fully_shard``'s keywords) that the default sharding takes from ``shard_options``.
+SHARD_OPTIONS = ("reshard_after_forward", "mp_policy", "offload_policy")
+
+
+def fsdp_keywords(options: dict[str, Any] | None) -> dict[str, Any]:
+    """``fully_shard`` keywords from ``shard_options``: FSDP2's own values, or for ``mp_policy`` a dict of
+    ``MixedPrecisionPolicy``'s fields with dtypes by name (``{"param_dtype": "bfloat16"}``, as a config file writes
+    it) and for ``offload_policy`` ``"cpu"`` (``CPUOffloadPolicy()``). Errors name an unknown key or a bad value."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ValueError(f"shard_options must be a dict of fully_shard's keywords, got {options!r}")
+    unknown = sorted(set(options) - set(SHARD_OPTIONS))
+    if unknown:
+        raise ValueError(f"shard_options takes {list(SHARD_OPTIONS)} (FSDP2's fully_shard keywords), got {unknown}")
+    keywords = dict(options)
+    reshard = keywords.get("reshard_after_forward", True)
+    if not isinstance(reshard, bool) and (not isinstance(reshard, int) or reshard < 1):
+        raise ValueError(f"shard_options['reshard_after_forward'] must be True, False or a group size, got {reshard!r}")
+    if "mp_policy" in keywords:
+        keywords["mp_policy"] = _mixed_precision(keywords["mp_policy"])
+    offload = keywords.get("offload_policy")
+    if offload == "cpu":
+        keywords["offload_policy"] = CPUOffloadPolicy()
+    elif offload is not None and not isinstance(offload, OffloadPolicy):
+        raise ValueError(f"shard_options['offload_policy'] must be 'cpu' or an OffloadPolicy, got {offload!r}")
+    return keywords
+
+
+def _mixed_precision(policy: Any) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    if not isinstance(policy, dict):
+        raise ValueError(f"shard_options['mp_policy'] must be a MixedPrecisionPolicy or a dict, got {policy!r}")
+    fields: dict[str, Any] = {}
+    for name, value in policy.items():
+        if name == "cast_forward_inputs":
+            fields[name] = value
+            continue
+        dtype = getattr(torch, value, value) if isinstance(value, str) else value
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"shard_options['mp_policy'][{name!r}] must be a dtype or its name, got {value!r}")
+        fields[name] = dtype
+    try:
+        return MixedPrecisionPolicy(**fields)
+    except TypeError as error:
+        raise ValueError(f"shard_options['mp_policy']: {error}") from None
 
 
 def replica_mesh(layout: ReplicaLayout, device_type: str) -> DeviceMesh:

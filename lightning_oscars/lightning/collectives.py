@@ -156,6 +156,12 @@ class LocalStepCollectives(DDPStrategy):
         if self._session is not None:
             self._session.rounds.exclude_time(seconds)
 
+    def _exclude_checkpoint_time(self, seconds: float) -> None:
+        """A checkpoint's write during a fit is left out of the training time (see :meth:`save_checkpoint`)."""
+        session = self._session
+        if session is not None and session.fitting(internals.trainer_of(self.lightning_module)):
+            self._exclude_time(seconds)
+
     def _forbid_collective(self, name: str) -> None:
         if self._in_local_step:
             raise RuntimeError(

@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_oscars.core.control import RoundRecord
 from lightning_oscars.core.loader import empty_batch
-from lightning_oscars.core.policy import SchedulePolicy, Solver
+from lightning_oscars.core.policy import Solver
 from lightning_oscars.core.recovery_points import RecoveryPoint
 from lightning_oscars.core.replicas import ReplicaLayout
 from lightning_oscars.core.rounds import RoundController
@@ -35,7 +35,7 @@ from lightning_oscars.core.timing import make_clock
 from lightning_oscars.core.warmup import StoreCounter
 from lightning_oscars.dist._c10d import default_store_or_none, destroy_gloo_group_at_exit, replica_groups, retire_group
 from lightning_oscars.dist.local_collectives import LocalWorld
-from lightning_oscars.dist.schemes import ModelAveraging, SyncScheme
+from lightning_oscars.dist.schemes import SyncScheme
 from lightning_oscars.lightning import _internals as internals
 from lightning_oscars.lightning.batch_hooks import BatchBalanceHooks
 from lightning_oscars.lightning.collectives import LocalStepCollectives
@@ -49,6 +49,7 @@ from lightning_oscars.lightning.strategy_options import (
     check_ddp_wrapper_options,
 )
 from lightning_oscars.lightning.strategy_state import RoundViews
+from lightning_oscars.lightning.tuner_runs import TunerRuns
 
 __all__ = ["DEFAULT_TIMEOUT", "OscarsStrategy", "RoundRecord"]
 
@@ -57,7 +58,9 @@ Averaging = Literal["uniform", "samples"]
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-class OscarsStrategy(OscarsOptions, RoundViews, ShardedReplicaHooks, BatchBalanceHooks, LocalStepCollectives):
+class OscarsStrategy(
+    OscarsOptions, RoundViews, TunerRuns, ShardedReplicaHooks, BatchBalanceHooks, LocalStepCollectives
+):
     """Load-balanced local SGD for clusters whose ranks run at different speeds (the Oscars method).
 
     Args:
@@ -106,6 +109,10 @@ class OscarsStrategy(OscarsOptions, RoundViews, ShardedReplicaHooks, BatchBalanc
         replica_spans_nodes: allow a replica whose ranks lie on different nodes (by default an error).
         shard_replicas: shard the model inside each replica with torch's FSDP2 (``docs/sharded-replicas.md``): a
             rank holds ``1/k`` of the parameters, gradients and optimizer state, and averages only its shard.
+        shard_options: FSDP2's ``fully_shard`` keywords for the default sharding (a module that shards nothing in
+            ``configure_model``): ``reshard_after_forward``, ``mp_policy``, ``offload_policy``.
+        save_distributed_checkpoint: with ``shard_replicas``, checkpoints are directories of each rank's shards
+            (torch's distributed checkpoint, as ``ModelParallelStrategy`` writes them); ``False``: one full-state file.
         recovery: when a round's averaging fails (a rank died), every survivor saves its state, and a restarted fit
             resumes from it by itself, losing only the lost ranks' share of that round (``docs/fault-tolerance.md``).
         recovery_dir: where (default ``<default_root_dir>/oscars-recovery``; a file system every node sees).
@@ -160,6 +167,8 @@ class OscarsStrategy(OscarsOptions, RoundViews, ShardedReplicaHooks, BatchBalanc
         replica_size: int | Literal["node"] = 1,
         replica_spans_nodes: bool = False,
         shard_replicas: bool = False,
+        shard_options: dict[str, Any] | None = None,
+        save_distributed_checkpoint: bool = True,
         recovery: bool = True,
         recovery_dir: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
@@ -292,44 +301,6 @@ class OscarsStrategy(OscarsOptions, RoundViews, ShardedReplicaHooks, BatchBalanc
         ``batch_sizes``)."""
         mine: dict[str, Any] = {"seed": self.seed, "average_optimizer_state": self.average_optimizer_state}
         return FitSession(self, scheme, rounds, name=self.strategy_name, **mine, **kwargs)
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        trainer = internals.trainer_of(self.lightning_module)
-        session = self._session
-        if session is None or trainer is None or not session.fitting(trainer) or session.callbacks_in(trainer):
-            return
-        # A tuner replaced trainer.callbacks for a loop run of its own (Tuner.lr_find keeps only its LR callback, whose
-        # per-batch broadcast runs on real steps only, and whose loss curve needs every step real). That run trains on
-        # every rank at every slot, averaging after every step (ddp's steps for SGD), and its weights are restored
-        # after it; this fit's rounds take the loader back at its end (_end_tuner_run).
-        self._fit_session = session
-        scheme = ModelAveraging()
-        every_step = SchedulePolicy("uniform", max_local_steps=1)
-        place = self._layout.place(self.global_rank)
-        rounds = RoundController(
-            every_step, **place, clock=make_clock(self.root_device), batch_sizes=session.rounds.batch_sizes
-        )
-        rounds.begin_fit(trainer.max_steps)
-        self._session = self._make_session(scheme, rounds, on_training_end=self._end_tuner_run)
-        if session.loader is not None:
-            self._session.adopt_loader(session.loader)
-        self._session.begin(trainer, monitor=False, after_tuner=True)
-        self._session.begin_rounds(trainer)
-
-    def _end_tuner_run(self) -> None:
-        """A tuner's loop run ended (see :meth:`on_train_start`): this fit's own session takes over again."""
-        fit_session, self._fit_session = self._fit_session, None
-        if fit_session is None:
-            return
-        tuner_session, self._session = self._session, fit_session
-        loader = None
-        if tuner_session is not None:  # the loader goes back to the fit, open: the tuner's session ends without it
-            loader, tuner_session.loader = tuner_session.loader, None
-            tuner_session.end()
-        if loader is not None:
-            fit_session.adopt_loader(loader)
 
     def _end_fit(self) -> None:
         """Undo everything the fit created (its session and a tuner run's inside it); keep its records."""

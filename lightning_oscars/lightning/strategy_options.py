@@ -21,7 +21,7 @@ from lightning_oscars.core.warmup import WarmupGate
 from lightning_oscars.dist.outer import OuterNesterovAveraging
 from lightning_oscars.dist.overlap import OverlappedAveraging
 from lightning_oscars.dist.schemes import ModelAveraging, SyncScheme
-from lightning_oscars.dist.sharding import ShardedModelAveraging
+from lightning_oscars.dist.sharding import ShardedModelAveraging, fsdp_keywords
 from lightning_oscars.lightning.batch_balance import rank_device_names
 from lightning_oscars.lightning.batch_probe import auto_rank_batch_sizes
 
@@ -54,6 +54,8 @@ OPTION_NAMES = (
     "replica_size",
     "replica_spans_nodes",
     "shard_replicas",
+    "shard_options",
+    "save_distributed_checkpoint",
     "recovery",
     "recovery_dir",
 )
@@ -131,7 +133,15 @@ _NOT_WITH_SHARDS = {
 }
 
 
-_FLAGS = ("deadline_rounds", "timed_warmup", "overlap_averaging", "replica_spans_nodes", "shard_replicas", "recovery")
+_FLAGS = (
+    "deadline_rounds",
+    "timed_warmup",
+    "overlap_averaging",
+    "replica_spans_nodes",
+    "shard_replicas",
+    "save_distributed_checkpoint",
+    "recovery",
+)
 
 
 def check_replicas(o: Mapping[str, Any]) -> None:
@@ -149,9 +159,12 @@ def check_replicas(o: Mapping[str, Any]) -> None:
 
 
 def check_sharding(o: Mapping[str, Any]) -> None:
-    """``shard_replicas`` and the options it cannot combine with, named."""
+    """``shard_replicas``, its ``shard_options``, and the options it cannot combine with, named."""
     if not o["shard_replicas"]:
+        if o["shard_options"] is not None:
+            raise ValueError("shard_options configures shard_replicas' default sharding: set shard_replicas=True")
         return
+    fsdp_keywords(o["shard_options"])  # raises naming a bad key or value
     if o["replica_size"] == 1:
         raise ValueError(
             "shard_replicas=True shards the model inside a replica: set replica_size to 2 or more ranks, or 'node'"
@@ -188,6 +201,8 @@ class OscarsOptions:
     replica_size: int | str
     replica_spans_nodes: bool
     shard_replicas: bool
+    shard_options: dict[str, Any] | None
+    save_distributed_checkpoint: bool
     recovery: bool
     recovery_dir: str | None
 
@@ -242,7 +257,8 @@ class OscarsOptions:
         self.overlap_averaging = o["overlap_averaging"]
         self.replica_size = o["replica_size"]
         self.replica_spans_nodes = o["replica_spans_nodes"]
-        self.shard_replicas = o["shard_replicas"]
+        self.shard_replicas, self.shard_options = o["shard_replicas"], o["shard_options"]
+        self.save_distributed_checkpoint = o["save_distributed_checkpoint"]
         self.recovery, self.recovery_dir = o["recovery"], _path_or_none("recovery_dir", o["recovery_dir"])
 
     def make_scheme(self) -> SyncScheme:
