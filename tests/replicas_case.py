@@ -94,12 +94,14 @@ class IndexedModule(L.LightningModule):
         return DataLoader(IndexedBlobs(16), batch_size=BATCH_SIZE)
 
 
-def trainer(options: dict, trainer_options: dict, callbacks: list | None = None) -> L.Trainer:
+def trainer(
+    options: dict, trainer_options: dict, callbacks: list | None = None, slower: dict[int, float] = SLOWER
+) -> L.Trainer:
     return L.Trainer(
         strategy=lightning_oscars.OscarsStrategy(**options),
         accelerator="cpu",
         devices=4,
-        callbacks=[HeterogeneityEmulator(SLOWER), *(callbacks or [])],
+        callbacks=[HeterogeneityEmulator(slower), *(callbacks or [])],
         logger=False,
         enable_checkpointing=any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks or []),
         enable_progress_bar=False,

@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 from paradigm_models_case import CLASSES, FEATURES  # noqa: E402
-from replicas_case import IndexedModule, StopOnRank, digest, outcome, resume_between, trainer  # noqa: E402
+from replicas_case import SLOWER, IndexedModule, StopOnRank, digest, outcome, resume_between, trainer  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -40,7 +40,12 @@ FITS: dict[str, tuple[str, dict, dict]] = {
     "sharded_replica_sizes": ("mlp", {**SHARDED, "batch_sizes": [12, 12, 4, 4]}, {"max_epochs": 1}),
     # FSDP2's own mixed precision for the default sharding: bf16 compute, the shards (and their averaging) in fp32
     "sharded_fsdp_mixed_precision": ("mlp", {**SHARDED, "shard_options": MIXED}, {"max_epochs": 1}),
+    # the last layer takes gradients (reduce-scattered) but no optimizer steps it
+    "sharded_unowned": ("unowned", SHARDED, {"max_epochs": 1}),
+    # both replicas at one speed (every other sharded fit has the second 3x slower)
+    "sharded_equal_speeds": ("mlp", SHARDED, {"max_epochs": 2}),
 }
+EQUAL_SPEEDS = {"sharded_equal_speeds"}
 
 
 class TinyTransformer(nn.Module):
@@ -60,7 +65,8 @@ class ShardedModule(IndexedModule):
     """Records how many parameter elements this rank holds while training, against the model's whole count."""
 
     def __init__(self, model: str) -> None:
-        super().__init__("mlp" if model in ("transformer", "self_sharded") else model)
+        super().__init__("mlp" if model in ("transformer", "self_sharded", "unowned") else model)
+        self.unowned = model == "unowned"
         if model == "transformer":
             self.net = TinyTransformer()
         self.self_sharded = model == "self_sharded"
@@ -80,6 +86,16 @@ class ShardedModule(IndexedModule):
                 if any(True for _ in layer.parameters()):
                     fully_shard(layer, mesh=mesh)
             fully_shard(self.net, mesh=mesh)
+
+    def untrained(self) -> list[Tensor]:
+        """The parameters no step may change: frozen ones, and (``"unowned"``) those no optimizer owns."""
+        unowned = {id(p) for p in self.net[2].parameters()} if self.unowned else set()
+        return [p for p in self.parameters() if not p.requires_grad or id(p) in unowned]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if not self.unowned:
+            return super().configure_optimizers()
+        return torch.optim.SGD(self.net[0].parameters(), lr=0.05, momentum=0.9)
 
     def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
         if self.held is None:
@@ -113,11 +129,11 @@ def fit_one(name: str) -> dict:
     model, options, trainer_options = FITS[name]
     L.seed_everything(0, verbose=False)
     module = ShardedModule(model)
-    frozen_before = [p.detach().clone() for p in module.parameters() if not p.requires_grad]
-    fitted = trainer(options, trainer_options)
+    frozen_before = [p.detach().clone() for p in module.untrained()]
+    fitted = trainer(options, trainer_options, slower={} if name in EQUAL_SPEEDS else SLOWER)
     fitted.fit(module)
     result = sharded_outcome(module, fitted)
-    frozen_after = [full(p) for p in module.parameters() if not p.requires_grad]
+    frozen_after = [full(p) for p in module.untrained()]
     result["frozen_kept"] = all(torch.equal(a, b.detach()) for a, b in zip(frozen_before, frozen_after))
     return result
 
@@ -153,8 +169,8 @@ def loading_trainer(options: dict) -> L.Trainer:
     if not options.get("model_parallel"):
         return trainer(options, {"max_epochs": 1})
     strategy = L.pytorch.strategies.ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)
-    quiet = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_epochs=1, **quiet)
+    quiet = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_epochs=1, logger=False, **quiet)
 
 
 def held_state(module: ShardedModule, optimizer: torch.optim.Optimizer) -> dict:

@@ -3,10 +3,9 @@ option, and every config trains on 2 CPU ranks (subprocess, hard timeout)."""
 
 from __future__ import annotations
 
-import json
-
 import csv
 import inspect
+import json
 import sys
 from datetime import timedelta
 from pathlib import Path
