@@ -18,7 +18,7 @@ A mixin of ``OscarsStrategy`` (``strategy.py``), inert unless ``shard_replicas``
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,7 @@ class ShardedReplicaHooks(DDPStrategy):
     """See the module docstring. The subclass calls :meth:`_make_replica_mesh` and :meth:`_configure_sharded`."""
 
     _mesh: DeviceMesh | None = None
+    _exclude_checkpoint_time: Callable[[float], None]  # LocalStepCollectives': a checkpoint's write is not training
     _everywhere = False  # gather the full state on every rank, not only global rank 0 (a recovery point's save)
 
     @property
@@ -195,7 +196,7 @@ class ShardedReplicaHooks(DDPStrategy):
         shards.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         writes = self._mesh is not None and self._mesh.get_coordinate()[0] == 0  # type: ignore[index]
         save_sharded(shards, path, writes=writes)  # replica 0 writes: the replicas hold the same model
-        self._options._exclude_checkpoint_time(time.perf_counter() - started)
+        self._exclude_checkpoint_time(time.perf_counter() - started)
         super().save_checkpoint(checkpoint, path / METADATA_FILE, storage_options)  # the rest, by rank 0
 
     @override
