@@ -70,6 +70,9 @@ CONFIGS = {
     "oscars-replica-node": ["--strategy", "oscars", "--option", "replica_size=node"],
     # sharded replicas: the same, each replica's model sharded between its ranks with FSDP2
     "oscars-sharded-2": ["--strategy", "oscars", "--option", "replica_size=2", "--option", "shard_replicas=true"],
+    # the same, FSDP2 keeping each unit's gathered parameters from the forward to the backward (one all-gather less)
+    "oscars-sharded-2-keep": ["--strategy", "oscars", "--option", "replica_size=2", "--option", "shard_replicas=true"]
+    + ["--option", 'shard_options={"reshard_after_forward": false}'],
     "oscars-sharded-node": [
         "--strategy",
         "oscars",
@@ -304,6 +307,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=None, help="default: 4 (cpu), 2 (gpu-like)")
     p.add_argument("--profiles", default="1x/2x,1x/3x,1x/5x,volatile,homogeneous")
     replicas = ("oscars-replica-2", "oscars-replica-node", "local_sgd-replica-2")
+    replicas += ("oscars-sharded-2", "oscars-sharded-2-keep", "oscars-sharded-node")  # 4-rank profiles only
     levers = ("local_sgd-matched", "oscars-deadline", "oscars-diloco", *replicas)
     p.add_argument("--configs", default=",".join(c for c in CONFIGS if c not in levers + PARADIGM_CONFIGS))
     p.add_argument("--jitter", type=float, default=0.0, help="lognormal log-spread of every rank's step times")

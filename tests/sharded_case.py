@@ -115,6 +115,7 @@ def sharded_outcome(module: ShardedModule, fitted: L.Trainer) -> dict:
         "computed_in": module.computed_in,
         "stored_in": sorted({str(p.dtype) for p in module.parameters()}),
         "mesh": None if mesh is None else list(mesh.mesh_dim_names),
+        "shard_group": id(fitted.strategy.shard_group),
         "parameters": digest(module.net, buffers=False),
         "vector": torch.cat([full(p).detach().float().reshape(-1) for p in module.net.parameters()]).tolist(),
     }
@@ -145,6 +146,33 @@ def stop_from_one_rank() -> dict:
     fitted = trainer(SHARDED, {"max_epochs": 2}, [StopOnRank(3, after=2)])
     fitted.fit(module)
     return {**sharded_outcome(module, fitted), "epoch": fitted.current_epoch}
+
+
+class SavedModels(L.Callback):
+    """At every checkpoint save, the model each rank holds then (whole: gathered inside its replica)."""
+
+    def __init__(self) -> None:
+        self.saves: list[dict] = []
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        mid_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready < trainer.num_training_batches
+        self.saves.append({"step": trainer.global_step, "mid_epoch": mid_epoch, "model": digest(pl_module.net)})
+
+
+def checkpoints_mid_round(out: Path) -> dict:
+    """A checkpoint every 3 steps (mid-round: the rounds are longer): each holds the averaged model, one on every
+    rank, whether distributed or full-state."""
+    result = {}
+    for distributed in (True, False):
+        L.seed_everything(0, verbose=False)
+        saves = SavedModels()
+        folder = out / f"every_3_{distributed}"
+        every = L.pytorch.callbacks.ModelCheckpoint(folder, every_n_train_steps=3, save_top_k=-1)
+        options = {**SHARDED, "save_distributed_checkpoint": distributed, "local_steps": [4, 2]}
+        fitted = trainer(options, {"max_epochs": 2}, [every, saves])
+        fitted.fit(ShardedModule("batchnorm"))
+        result[str(distributed)] = saves.saves
+    return result
 
 
 def resume(out: Path, first: dict, then: dict) -> dict:
@@ -222,6 +250,7 @@ def main() -> None:
     results["resume_sharded_into_ddp"] = resume(out, SHARDED, {"replica_size": 2})
     results["resume_ddp_into_sharded"] = resume(out, {"replica_size": 1}, SHARDED)
     results.update({f"round_trip_{name}": round_trip(out, name) for name in ROUND_TRIPS})
+    results["checkpoints_mid_round"] = checkpoints_mid_round(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{results['ddp_pinned']['rank']}.json").write_text(json.dumps(results))
 

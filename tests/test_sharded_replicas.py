@@ -148,6 +148,12 @@ def test_sharded_replicas_end_on_one_model_with_every_sample_once(results, name)
 
 
 @pytest.mark.multiprocess
+def test_fits_in_one_process_share_one_mesh(results):
+    """Every Trainer's fit reuses the mesh's process groups (a new mesh per fit would make groups never freed)."""
+    assert len({results[0][name]["shard_group"] for name in SHARDED_FITS}) == 1
+
+
+@pytest.mark.multiprocess
 def test_the_module_can_shard_itself_in_configure_model(results):
     ranks = [r["sharded_configure_model"] for r in results]
     assert ranks[0]["wrapped"].startswith("FSDP") and all(r["sharded"] for r in ranks)
@@ -196,6 +202,18 @@ def test_a_distributed_checkpoint_is_the_shards_of_replica_0(results):
     assert files["__0_0.distcp"] > 0 and files["__1_0.distcp"] > 0
     assert files.get("__2_0.distcp", 0) == 0 and files.get("__3_0.distcp", 0) == 0
     assert results[0]["round_trip_full_into_sharded"]["files"] is None, "save_distributed_checkpoint=False: a file"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("distributed", ["True", "False"])
+def test_a_checkpoint_saved_mid_round_holds_one_averaged_model(results, distributed):
+    """Every 3 steps, local steps [4, 2]: most saves fall inside a round, where the replicas' models differ; a
+    checkpoint averages first, so at every save all four ranks hold one model."""
+    saves = [r["checkpoints_mid_round"][distributed] for r in results]
+    assert len({len(s) for s in saves}) == 1 and sum(s["mid_epoch"] for s in saves[0]) >= 2
+    for at_save in zip(*saves):
+        assert len({s["step"] for s in at_save}) == 1
+        assert len({s["model"] for s in at_save}) == 1, f"step {at_save[0]['step']}: the ranks' models differ"
 
 
 @pytest.mark.multiprocess

@@ -99,10 +99,23 @@ def _mixed_precision(policy: Any) -> Any:
         raise ValueError(f"shard_options['mp_policy']: {error}") from None
 
 
+# The meshes made in this process, by shape, with the world they were made in: a repeated fit (or another Trainer)
+# reuses its groups, since every init_device_mesh makes new process groups that live as long as the world does.
+_MESHES: dict[tuple[int, int, str], tuple[Any, DeviceMesh]] = {}
+
+
 def replica_mesh(layout: ReplicaLayout, device_type: str) -> DeviceMesh:
-    """The run's device mesh (collective: every rank makes every group). Replica ``r`` holds the consecutive ranks
-    of ``layout``, as :class:`~lightning_oscars.core.replicas.ReplicaLayout` places them."""
-    return init_device_mesh(device_type, (layout.replicas, layout.replica_size, 1), mesh_dim_names=MESH_DIMS)
+    """The run's device mesh (collective: every rank makes every group, the first time for this shape and world).
+    Replica ``r`` holds the consecutive ranks of ``layout``, as :class:`~lightning_oscars.core.replicas.ReplicaLayout`
+    places them."""
+    key = (layout.replicas, layout.replica_size, device_type)
+    world = dist.group.WORLD
+    cached = _MESHES.get(key)
+    if cached is not None and cached[0] is world:
+        return cached[1]
+    mesh = init_device_mesh(device_type, (layout.replicas, layout.replica_size, 1), mesh_dim_names=MESH_DIMS)
+    _MESHES[key] = (world, mesh)
+    return mesh
 
 
 def sharded_parameters(module: nn.Module) -> list[nn.Parameter]:
