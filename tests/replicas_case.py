@@ -48,7 +48,9 @@ def digest(module: nn.Module, buffers: bool = True) -> str:
     for tensor in module.state_dict().values() if buffers else module.parameters():
         if isinstance(tensor, DTensor):  # a sharded parameter: the whole of it (gathered inside the replica)
             tensor = tensor.full_tensor()
-        h.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+        # a copy: a NumPy view of a parameter FSDP2 holds gathered would keep it from freeing it (torch refuses to
+        # resize a storage NumPy shares)
+        h.update(tensor.detach().float().cpu().clone(memory_format=torch.contiguous_format).numpy().tobytes())
     return h.hexdigest()
 
 

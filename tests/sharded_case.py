@@ -44,7 +44,11 @@ FITS: dict[str, tuple[str, dict, dict]] = {
     "sharded_unowned": ("unowned", SHARDED, {"max_epochs": 1}),
     # both replicas at one speed (every other sharded fit has the second 3x slower)
     "sharded_equal_speeds": ("mlp", SHARDED, {"max_epochs": 2}),
+    # forwards without a backward: a validation every half epoch, and a callback's no-grad forward after every step
+    # on the second replica
+    "sharded_peeking": ("mlp", SHARDED, {"max_epochs": 2, "limit_val_batches": 1.0, "val_check_interval": 0.5}),
 }
+PEEKING = {"sharded_peeking"}
 EQUAL_SPEEDS = {"sharded_equal_speeds"}
 
 
@@ -72,6 +76,7 @@ class ShardedModule(IndexedModule):
         self.self_sharded = model == "self_sharded"
         self.whole = sum(p.numel() for p in self.net.parameters())
         self.held: int | None = None
+        self.gathered_steps = 0  # training steps that began with a parameter whole (not this rank's shard)
         self.computed_in = ""  # the dtype of the network's output in training
         self.net.register_forward_hook(self._record_dtype)
 
@@ -100,7 +105,20 @@ class ShardedModule(IndexedModule):
     def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
         if self.held is None:
             self.held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in self.parameters())
+        if not all(isinstance(p, DTensor) for p in self.parameters()):
+            self.gathered_steps += 1
         return super().training_step(batch, batch_idx)
+
+
+class PeekAfterStep(L.Callback):
+    """A callback that looks at the network's predictions after every step on the second replica's ranks, as a
+    monitoring callback on some ranks does: a forward without a backward, which leaves FSDP2's root module gathered
+    there while the first replica's ranks hold their shards."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        if trainer.global_rank >= 2:
+            with torch.no_grad():
+                pl_module.net(torch.zeros(2, FEATURES))
 
 
 def sharded_outcome(module: ShardedModule, fitted: L.Trainer) -> dict:
@@ -111,6 +129,7 @@ def sharded_outcome(module: ShardedModule, fitted: L.Trainer) -> dict:
         "wrapped": type(module.net).__name__,
         "sharded": all(isinstance(p, DTensor) for p in module.parameters()),
         "held": module.held,
+        "gathered_steps": module.gathered_steps,
         "whole": module.whole,
         "computed_in": module.computed_in,
         "stored_in": sorted({str(p.dtype) for p in module.parameters()}),
@@ -131,7 +150,8 @@ def fit_one(name: str) -> dict:
     L.seed_everything(0, verbose=False)
     module = ShardedModule(model)
     frozen_before = [p.detach().clone() for p in module.untrained()]
-    fitted = trainer(options, trainer_options, slower={} if name in EQUAL_SPEEDS else SLOWER)
+    callbacks = [PeekAfterStep()] if name in PEEKING else []
+    fitted = trainer(options, trainer_options, callbacks, slower={} if name in EQUAL_SPEEDS else SLOWER)
     fitted.fit(module)
     result = sharded_outcome(module, fitted)
     frozen_after = [full(p) for p in module.untrained()]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sharded_case import FITS, ROUND_TRIPS
+from sharded_case import FITS, PEEKING, ROUND_TRIPS
 from subproc import ROOT, assert_clean_exit, clean_env, run
 from torch import nn
 
@@ -128,6 +128,9 @@ def test_sharded_replicas_train_to_the_weights_of_ddp_replicas_on_a_pinned_sched
 def test_each_rank_holds_its_shard_of_every_parameter_while_training(results, name):
     ranks = [r[name] for r in results]
     assert all(r["sharded"] for r in ranks), "every parameter a DTensor"
+    if name not in PEEKING:  # a forward in a callback between steps gathers the root until the step's backward
+        # a validation leaves FSDP2's root gathered (it expects a backward): sharded again before training goes on
+        assert [r["gathered_steps"] for r in ranks] == [0, 0, 0, 0], "a step began with the whole model held"
     assert ranks[0]["mesh"] == ["replicate", "data_parallel", "tensor_parallel"]
     whole = ranks[0]["whole"]
     for first, second in ((0, 1), (2, 3)):  # a replica's two ranks split the parameters between them
@@ -145,6 +148,19 @@ def test_sharded_replicas_end_on_one_model_with_every_sample_once(results, name)
         trained = sorted(i for r in ranks for i in r["trained"].get(epoch, []))
         assert trained == list(range(SAMPLES)), f"epoch {epoch}: every sample once across the ranks"
     assert all(r["frozen_kept"] for r in ranks if "frozen_kept" in r), "a frozen layer stays as initialised"
+
+
+@pytest.mark.multiprocess
+def test_forwards_without_a_backward_leave_the_rounds_on_shards(results):
+    """A validation every half epoch, and a callback's no-grad forward after every step on the second replica only,
+    leave FSDP2's root module gathered (it keeps the root's parameters for the backward it expects): the averagings
+    still meet every rank's shard (the second replica averaging whole parameters where the first averages shards was
+    a collective mismatch that crashed the fit), and it trains and validates as any other (one model, every sample
+    once: the generic tests)."""
+    ranks = [r["sharded_peeking"] for r in results]
+    assert len({r["validated"] for r in ranks}) == 1, "every rank validated alike"
+    assert ranks[0]["validated"] > results[0]["sharded_pinned"]["validated"], "validations inside the epochs too"
+    assert len(ranks[0]["local_steps"]) > 2, "several rounds, validations between them"
 
 
 @pytest.mark.multiprocess

@@ -15,7 +15,7 @@ ranks of one replica.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ __all__ = [
     "keyed_by_position",
     "local_part",
     "parameter_names",
+    "reshard_gathered",
     "replica_mesh",
     "shard_by_default",
     "sharded_parameters",
@@ -154,6 +155,20 @@ def shard_by_default(module: nn.Module, mesh: DeviceMesh, **fsdp_options: Any) -
             fully_shard(child, mesh=mesh, **fsdp_options)
             sharded.append(name)
     return sharded
+
+
+def reshard_gathered(modules: Iterable[nn.Module]) -> None:
+    """Put back the shards wherever FSDP2 left a module's parameters gathered: it keeps its root module's whole
+    parameters after a forward for the backward it expects, and a forward without one (validation, a callback's
+    no-grad forward) leaves them so until the next backward. Held whole, they cost a rank the full model's memory, and
+    an averaging would see whole tensors where the rank's replica partners see shards (a collective mismatch) and
+    change copies that FSDP2 then frees. Not collective; nothing to do for modules FSDP2 does not shard."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in modules:
+        for part in module.modules():
+            if isinstance(part, FSDPModule):
+                part.reshard()
 
 
 def parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

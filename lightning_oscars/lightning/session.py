@@ -38,6 +38,7 @@ from lightning_oscars.core.slots import ends_slot
 from lightning_oscars.dist.averaging import agree_on_layout, averaged_tensors, optimizer_state_layout
 from lightning_oscars.dist.local_state import LocalState
 from lightning_oscars.dist.schemes import RoundMeeting, SyncScheme
+from lightning_oscars.dist.sharding import reshard_gathered
 from lightning_oscars.lightning import _internals as internals
 from lightning_oscars.lightning.adapter import LightningAdapter
 from lightning_oscars.lightning.agreement import MetricAgreement
@@ -296,6 +297,7 @@ class FitSession:
         self._validation_started = time.perf_counter()
 
     def end_validation(self, trainer: Trainer) -> None:
+        reshard_gathered([trainer.lightning_module])  # a sharded model is 1/k per rank again while training
         started, self._validation_started = self._validation_started, None
         if started is not None:  # records count training time only
             self.rounds.exclude_time(time.perf_counter() - started)
@@ -378,6 +380,7 @@ class FitSession:
         extra = internals.averaged_copies(trainer)
         module = s.lightning_module
         assert module is not None
+        reshard_gathered([module, *extra])  # a forward without backward may have left shards gathered
         moving = self.local_state.averaged() if self.local_state is not None else []  # frozen, yet moved by user code
         if not self.average_optimizer_state:
             return averaged_tensors(module, extra_modules=extra) + moving
