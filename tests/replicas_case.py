@@ -75,7 +75,7 @@ class IndexedModule(L.LightningModule):
         return nn.functional.cross_entropy(self.net(x), y)
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
-        if self.trainer.strategy.slot_is_real:
+        if getattr(self.trainer.strategy, "slot_is_real", True):  # every slot is a step under other strategies
             self.after_step[self.trainer.global_step] = digest(self.net, buffers=False)
 
     def on_train_start(self) -> None:

@@ -210,15 +210,20 @@ ROUND_TRIPS: dict[str, tuple[dict, dict, str, str]] = {
     "full_into_sharded": ({**SHARDED, "save_distributed_checkpoint": False}, SHARDED, "batchnorm", "batchnorm"),
     # Lightning's own ModelParallelStrategy (4-way sharding) loads it, the module sharding itself
     "distributed_into_model_parallel": (SHARDED, {"model_parallel": True}, "mlp", "self_sharded"),
+    # and the other way: a checkpoint ModelParallelStrategy wrote (one model sharded 4 ways) into sharded replicas
+    "model_parallel_into_sharded": ({"model_parallel": True}, SHARDED, "self_sharded", "mlp"),
 }
 
 
-def loading_trainer(options: dict) -> L.Trainer:
+def round_trip_trainer(options: dict, callbacks: list | None = None) -> L.Trainer:
+    """One epoch under oscars' ``options``, or under Lightning's ModelParallelStrategy sharding 4 ways."""
     if not options.get("model_parallel"):
-        return trainer(options, {"max_epochs": 1})
+        return trainer(options, {"max_epochs": 1}, callbacks)
     strategy = L.pytorch.strategies.ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)
-    quiet = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False}
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_epochs=1, logger=False, **quiet)
+    quiet = {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": bool(callbacks)}
+    return L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=4, max_epochs=1, logger=False, callbacks=callbacks, **quiet
+    )
 
 
 def held_state(module: ShardedModule, optimizer: torch.optim.Optimizer) -> dict:
@@ -240,12 +245,12 @@ def round_trip(out: Path, name: str) -> dict:
     folder = out / f"round_trip_{name}"
     L.seed_everything(0, verbose=False)
     module = ShardedModule(saved_model)
-    fitted = trainer(saving, {"max_epochs": 1}, [L.pytorch.callbacks.ModelCheckpoint(folder, save_last=True)])
+    fitted = round_trip_trainer(saving, [L.pytorch.callbacks.ModelCheckpoint(folder, save_last=True)])
     fitted.fit(module)
     saved = held_state(module, fitted.strategy.optimizers[0])
     L.seed_everything(1, verbose=False)
     module = ShardedModule(model)
-    fitted = loading_trainer(loading)
+    fitted = round_trip_trainer(loading)
     fitted.fit(module, ckpt_path=str(folder / "last.ckpt"))
     checkpoint = folder / "last.ckpt"
     files = {p.name: p.stat().st_size for p in checkpoint.iterdir()} if checkpoint.is_dir() else None

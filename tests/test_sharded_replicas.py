@@ -198,11 +198,13 @@ def test_a_checkpoint_resumes_across_layouts(results, name, sharded, wrapped):
 def test_a_checkpoint_loads_replica_0s_model_and_optimizer_into_every_layout(results, name):
     """Saved at an epoch's end (a distributed checkpoint by default, a full-state file on request), loaded by a
     differently initialised module under another layout (sharded, the module sharding itself, DDP replicas, plain
-    oscars, Lightning's ModelParallelStrategy sharding 4 ways): every rank holds the saved parameters, buffers and
-    momentum exactly (the momentum is replica 0's: each replica's optimizer state is its own)."""
+    oscars, Lightning's ModelParallelStrategy sharding 4 ways), and one ModelParallelStrategy wrote loaded into
+    sharded replicas: every rank holds the saved parameters, buffers and momentum exactly (the momentum is replica
+    0's: each replica's optimizer state is its own)."""
     ranks = [r[f"round_trip_{name}"] for r in results]
     saved = ranks[0]["saved"]
-    assert ranks[2]["saved"]["momentum"] != saved["momentum"], "the replicas' optimizer states differ"
+    if not name.startswith("model_parallel"):  # ModelParallelStrategy holds one optimizer state, sharded 4 ways
+        assert ranks[2]["saved"]["momentum"] != saved["momentum"], "the replicas' optimizer states differ"
     for rank in ranks:
         assert rank["saved"]["model"] == saved["model"], "one model on every rank when saved"
         assert rank["loaded"]["model"] == saved["model"] and rank["loaded"]["momentum"] == saved["momentum"]
