@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_oscars.core.continuation import EpochContinuation
+from lightning_oscars.core.epoch_length import quickest_epoch_slots
 from lightning_oscars.core.epoch_shape import validations_after_resize  # re-exported: it places validations
 from lightning_oscars.core.quotas import (
     max_epoch_slots,
@@ -234,6 +235,8 @@ class EpochPlan:
         reserve: Sequence[int] | None = None,
         units_per_round: float = 0.0,
         max_slots: int | None = None,
+        step_times: Sequence[float] = (),
+        round_cost: float = 0.0,
     ) -> None:
         """Re-plan every round from ``start_slot`` (which must start a round) with new local steps.
 
@@ -245,6 +248,8 @@ class EpochPlan:
         (the slow rank most, so the fast ones wait), and one that trains more would end the epoch in idle slots.
         With ``reserve``, deadline rounds expected to train ``units_per_round``; the epoch is sized by
         :func:`deadline_epoch_slots` when ``shrink``, and cut to its exact end once only plain rounds are left.
+        With ``step_times`` (and ``round_cost``, the schedule's), plain rounds may take a few more slots than they
+        need where they are predicted to run faster so (:func:`quickest_epoch_slots`).
         """
         index = bisect.bisect_left(self._starts, start_slot)
         if index == len(self._starts) or self._starts[index] != start_slot:
@@ -256,12 +261,19 @@ class EpochPlan:
         if shrink and reserve is not None:
             needed = start_slot + deadline_epoch_slots(units_per_round or sum(local_steps), max(reserve), left)
             self.total_slots = max(start_slot, min(self.total_slots, needed))
-        elif reserve is None and max_slots is not None:
-            needed = start_slot + planned_slots(local_steps, left, self.widths)
-            self.total_slots = max(start_slot, min(max(max_slots, self.total_slots), needed))
-        elif shrink:
-            needed = start_slot + planned_slots(local_steps, left, self.widths)
-            self.total_slots = max(start_slot, min(self.total_slots, needed))
+        elif reserve is None and (shrink or max_slots is not None):
+            most = max(max_slots or 0, self.total_slots) if max_slots is not None else self.total_slots
+            needed = min(most, start_slot + planned_slots(local_steps, left, self.widths))
+
+            def rounds_of(slots: int) -> list[Round]:
+                cuts = self.boundaries(slots) if self.boundaries is not None else ()
+                return plan_rounds(
+                    local_steps, self.total_units, slots, start_slot, first_unit, None, None, cuts, sizes
+                )
+
+            sizes = self.widths
+            needed = quickest_epoch_slots(rounds_of, left, step_times, round_cost, needed, most)
+            self.total_slots = max(start_slot, needed)
         units, boundaries, widths = self.total_units, self.boundary_slots(), self.widths
         rounds = plan_rounds(
             local_steps, units, self.total_slots, start_slot, first_unit, reserve, None, boundaries, widths

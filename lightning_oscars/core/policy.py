@@ -16,7 +16,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from lightning_oscars.core.partition import max_epoch_slots, planned_slots
+from lightning_oscars.core.epoch_length import quickest_epoch_slots
+from lightning_oscars.core.partition import Round, max_epoch_slots, plan_rounds, planned_slots
 from lightning_oscars.core.solver import (
     DEFAULT_MAX_SPREAD,
     Schedule,
@@ -208,6 +209,11 @@ class SchedulePolicy:
         """Every rank's steps in the profiling round (``warmup_steps``, or fewer when ``max_steps`` is shorter)."""
         return self._warmup
 
+    @property
+    def step_times(self) -> tuple[float, ...]:
+        """The seconds per step the schedule was solved for (empty while none is)."""
+        return self.schedule.step_times if self.schedule is not None else ()
+
     def warmup_reservation(self) -> int:
         """Units every rank reserves in a time-boxed warm-up round (``warmup.py``)."""
         return warmup_reservation(self._warmup, self.max_local_steps, self.max_spread)
@@ -228,12 +234,28 @@ class SchedulePolicy:
         most = min(self.max_spread, self.max_local_steps)
         return max_epoch_slots(total_units, self.world_size, most, last_round=max(most, self._warmup))
 
-    def epoch_slots(self, total_units: int, bound: int) -> tuple[int, bool]:
+    def epoch_slots(
+        self,
+        total_units: int,
+        bound: int,
+        boundaries: Callable[[int], Sequence[int]] | None = None,
+        round_cost: float = 0.0,
+    ) -> tuple[int, bool]:
         """Slots of an epoch about to start, and whether that is only an upper bound (speeds still unknown: the
-        epoch is cut once the first schedule is solved). Never beyond ``bound``, the loader's length."""
-        if self.schedule is None:
+        epoch is cut once the first schedule is solved). Never beyond ``bound``, the loader's length. The fewest
+        that hold the units, or up to a few more where the epoch's rounds are predicted to run faster in them
+        (``epoch_length.py``; ``boundaries``: where an epoch of so many slots validates; ``round_cost``: the agreed
+        seconds of one averaging)."""
+        schedule, widths = self.schedule, self.widths
+        if schedule is None:
             return bound, True
-        return min(planned_slots(self.schedule.local_steps, total_units, self.widths), bound), False
+        least = min(planned_slots(schedule.local_steps, total_units, widths), bound)
+
+        def rounds_of(slots: int) -> list[Round]:
+            cuts = boundaries(slots) if boundaries is not None else ()
+            return plan_rounds(schedule.local_steps, total_units, slots, boundaries=cuts, widths=widths)
+
+        return quickest_epoch_slots(rounds_of, total_units, schedule.step_times, round_cost, least, bound), False
 
     # ------------------------------------------------------------------ measurements
 

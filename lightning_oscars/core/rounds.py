@@ -73,8 +73,7 @@ class RoundController:
         policy.widths = self.widths
         self.policy = policy
         self.world_size, self.rank, self.member, self.replica_size = world_size, rank, member, replica_size
-        self.weighted = weighted
-        self.pacer: DeadlinePacer | None = DeadlinePacer(now) if deadline else None
+        self.weighted, self.pacer = weighted, (DeadlinePacer(now) if deadline else None)
         self.warmup_gate = warmup_gate
         self._warmup_planned = False  # the fit's warm-up round was laid out (once per fit)
         self.clock: LapClock = clock if clock is not None else WallClock()
@@ -86,8 +85,7 @@ class RoundController:
         self.slot = SlotInfo(True, 0)
         self.failed = False  # this rank raised or its all-reduce broke: skip every further collective
         self._medians = StepTimeEstimator(smoothing=1.0)  # the round's median; the policy smooths across rounds
-        self._upper_bound = False
-        self._replan_pending = False
+        self._upper_bound = self._replan_pending = False
         self._round_units = 0  # units this rank trained in the current round (across extra averagings)
         self._deadlines = DeadlinePlanner()
         # The most local steps a rank may take beyond the fewest (``None``: any). A scheme whose rule bounds the lead
@@ -173,7 +171,8 @@ class RoundController:
         if plan is None or self.planned_epoch != epoch or plan.total_units != total_units:
             done, self.continuation = self.continuation, None  # after a failed round: for its epoch only
             done = done if done is not None and done.fits(epoch, total_units) else None
-            left, self._upper_bound = self.policy.epoch_slots(*(done.left(bound) if done else (total_units, bound)))
+            sized = (*done.left(bound), None) if done else (total_units, bound, boundaries)  # a continuation: mid-epoch
+            left, self._upper_bound = self.policy.epoch_slots(*sized, self.ledger.round_cost)
             total_slots = left + (done.slots if done else 0)
             deadline_slots = self._deadline_slots(total_units)
             if deadline_slots is not None:
@@ -363,9 +362,9 @@ class RoundController:
         # The first epoch was sized as an upper bound while speeds were unknown: cut it to what is needed.
         slots = plan.total_slots
         expected = self.deadline_round.expected_units if self.deadline_round is not None else 0.0
-        plan.replan(next_slot, self.local_steps, self._upper_bound, reserve, expected, self._slot_bound)
-        self._replan_pending = False
-        self._upper_bound = False
+        prices = self.policy.step_times, self.ledger.round_cost  # a few more slots where they run faster
+        plan.replan(next_slot, self.local_steps, self._upper_bound, reserve, expected, self._slot_bound, *prices)
+        self._replan_pending = self._upper_bound = False
         return plan.total_slots != slots
 
     # ------------------------------------------------------------------ checkpoints
