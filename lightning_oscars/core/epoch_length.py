@@ -7,7 +7,9 @@ and a validation halfway, 45 slots put a validation at slot 22 and the epoch's e
 ``(11, 5)``, which leaves the slow rank the busiest, and one slot is left over as a round of its own. 46 slots
 validate at 23 and spread the units so that the fast rank keeps its share. :func:`quickest_epoch_slots` prices the
 rounds of a few lengths with the schedule's own step times and round cost (values every rank agreed on, so every
-rank picks the same length) and keeps the fastest, the shortest among equals. Pure; no Lightning, no torch.
+rank picks the same length) and keeps the shortest predicted within :data:`SLOT_TOLERANCE` of the fastest. Only
+epochs that validate inside themselves are priced: without a validation to move, the fewest slots are the quickest.
+Pure; no Lightning, no torch.
 """
 
 from __future__ import annotations

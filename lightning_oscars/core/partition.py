@@ -262,17 +262,18 @@ class EpochPlan:
             needed = start_slot + deadline_epoch_slots(units_per_round or sum(local_steps), max(reserve), left)
             self.total_slots = max(start_slot, min(self.total_slots, needed))
         elif reserve is None and (shrink or max_slots is not None):
-            most = max(max_slots or 0, self.total_slots) if max_slots is not None else self.total_slots
+            most = max(max_slots, self.total_slots) if max_slots is not None else self.total_slots
             needed = min(most, start_slot + planned_slots(local_steps, left, self.widths))
+            validations = self.boundaries
+            if validations is not None:  # where it validates depends on the length: price the lengths
 
-            def rounds_of(slots: int) -> list[Round]:
-                cuts = self.boundaries(slots) if self.boundaries is not None else ()
-                return plan_rounds(
-                    local_steps, self.total_units, slots, start_slot, first_unit, None, None, cuts, sizes
-                )
+                def rounds_of(slots: int) -> list[Round]:
+                    cuts, sizes = validations(slots), self.widths
+                    return plan_rounds(
+                        local_steps, self.total_units, slots, start_slot, first_unit, None, None, cuts, sizes
+                    )
 
-            sizes = self.widths
-            needed = quickest_epoch_slots(rounds_of, left, step_times, round_cost, needed, most)
+                needed = quickest_epoch_slots(rounds_of, left, step_times, round_cost, needed, most)
             self.total_slots = max(start_slot, needed)
         units, boundaries, widths = self.total_units, self.boundary_slots(), self.widths
         rounds = plan_rounds(

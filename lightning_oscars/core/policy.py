@@ -250,10 +250,11 @@ class SchedulePolicy:
         if schedule is None:
             return bound, True
         least = min(planned_slots(schedule.local_steps, total_units, widths), bound)
+        if boundaries is None:  # no validation inside the epoch to move: the fewest slots are the quickest
+            return least, False
 
         def rounds_of(slots: int) -> list[Round]:
-            cuts = boundaries(slots) if boundaries is not None else ()
-            return plan_rounds(schedule.local_steps, total_units, slots, boundaries=cuts, widths=widths)
+            return plan_rounds(schedule.local_steps, total_units, slots, boundaries=boundaries(slots), widths=widths)
 
         return quickest_epoch_slots(rounds_of, total_units, schedule.step_times, round_cost, least, bound), False
 
