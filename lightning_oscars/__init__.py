@@ -26,6 +26,7 @@ from lightning_oscars.dist.schemes import ModelAveraging, RoundMeeting, SyncSche
 from lightning_oscars.lightning._internals import SUPPORTED_LIGHTNING, check_lightning_version
 from lightning_oscars.lightning.heterogeneity import HeterogeneityEmulator, SlowdownProfile
 from lightning_oscars.lightning.monitor import ScheduleMonitor, round_metrics, summarize_history
+from lightning_oscars.lightning.namespaces import bind as _bind_namespaces
 from lightning_oscars.lightning.paradigms import (
     PARADIGMS,
     ASPStrategy,
@@ -80,3 +81,6 @@ __all__ = [
 _STRATEGIES: list[type[OscarsStrategy]] = [OscarsStrategy, *(_cls for _cls, _ in PARADIGMS.values())]
 for _strategy in _STRATEGIES:
     _strategy.register_strategies(StrategyRegistry)
+# The same strategies for the standalone pytorch_lightning package (lightning/namespaces.py): this file, compiled with
+# its Lightning imports renamed, is lightning_oscars.pytorch_lightning.
+_bind_namespaces(__name__, _STRATEGIES)

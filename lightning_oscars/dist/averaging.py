@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_oscars.core._nn_state import persistent_buffers
+
 __all__ = [
     "DIGITS",
     "FlatAverager",
@@ -183,7 +185,8 @@ def averaged_tensors(
 
     * the module's trainable parameters: frozen ones (``requires_grad=False``) never change during local steps,
       so averaging them would only cost bandwidth (a LoRA fine-tune would all-reduce its whole backbone);
-    * every buffer of the module (BatchNorm statistics and counters);
+    * every persistent buffer of the module (BatchNorm statistics and counters); a non-persistent one (not in the
+      state dict: a mask or index the module rebuilds, perhaps for each batch size) is the module's to recompute;
     * for each of ``extra_modules`` (averaged copies such as an EMA or SWA model), all its parameters, trainable
       or not (an EMA's parameters are frozen yet change every step), then all its buffers;
     * the optimizers' per-parameter state tensors (floating point, at least one dimension), parameter by
@@ -193,10 +196,10 @@ def averaged_tensors(
     A tensor reachable twice (a module shared with an extra module) is listed once, at its first place.
     """
     tensors: list[Tensor] = [p for p in module.parameters() if p.requires_grad]
-    tensors += module.buffers()
+    tensors += persistent_buffers(module)
     for extra in extra_modules:
         tensors += extra.parameters()
-        tensors += extra.buffers()
+        tensors += persistent_buffers(extra)
     index = -1
     for index, (optimizer, param) in enumerate(_optimizer_params(optimizers)):
         if state_mask is None or (index < len(state_mask) and state_mask[index]):

@@ -9,8 +9,7 @@ the checkpoint connector, the random generators and module state sync. The versi
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
+import lightning.pytorch as lightning_namespace
 from packaging.version import Version
 
 SUPPORTED_LIGHTNING = (">=2.6.0", "<2.7")
@@ -18,14 +17,13 @@ SUPPORTED_LIGHTNING = (">=2.6.0", "<2.7")
 
 def check_lightning_version() -> None:
     """oscars relies on Lightning 2.6's loop internals: refuse any other release with the fix."""
-    try:
-        found = Version(version("lightning"))
-    except PackageNotFoundError:  # pragma: no cover - the dependency is declared
-        raise ImportError("lightning-oscars needs the 'lightning' package (>=2.6,<2.7)") from None
+    # This namespace's own release: lightning.pytorch's, or pytorch_lightning's in the twin (namespaces.py).
+    found = Version(lightning_namespace.__version__)
+    package = "lightning" if lightning_namespace.__name__ == "lightning.pytorch" else "pytorch-lightning"
     if not (Version("2.6.0") <= found < Version("2.7")):
         raise ImportError(
-            f"lightning-oscars supports lightning>=2.6.0,<2.7 (it relies on that release's loop internals);"
-            f" found lightning=={found}. Install a supported release: pip install 'lightning>=2.6,<2.7'."
+            f"lightning-oscars supports {package}>=2.6.0,<2.7 (it relies on that release's loop internals);"
+            f" found {package}=={found}. Install a supported release: pip install '{package}>=2.6,<2.7'."
         )
 
 

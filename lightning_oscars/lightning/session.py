@@ -35,7 +35,7 @@ from lightning_oscars.core.control import ControlData
 from lightning_oscars.core.loader import EpochOrder, LoadBalancedLoader, training_set_size
 from lightning_oscars.core.rounds import RoundController
 from lightning_oscars.core.slots import ends_slot
-from lightning_oscars.dist.averaging import agree_on_layout, averaged_tensors, optimizer_state_layout
+from lightning_oscars.dist.layouts import describe_mismatch, layout_mismatch
 from lightning_oscars.dist.local_state import LocalState
 from lightning_oscars.dist.schemes import RoundMeeting, SyncScheme
 from lightning_oscars.dist.sharding import reshard_gathered
@@ -45,6 +45,7 @@ from lightning_oscars.lightning.agreement import MetricAgreement
 from lightning_oscars.lightning.callbacks import append_round_callbacks, insert_round_callbacks, without_callbacks
 from lightning_oscars.lightning.fit_failures import FitFailures
 from lightning_oscars.lightning.recovery import RECOVERY_GRACE_S, FitRecovery
+from lightning_oscars.lightning.round_tensors import round_tensors, tensor_namer
 
 __all__ = ["FitSession"]
 
@@ -332,6 +333,10 @@ class FitSession:
         started = time.perf_counter()
         try:
             tensors = self._synchronized_tensors(trainer)
+            # Tensors whose shapes differ between ranks cannot meet in one buffer: every rank learns it here.
+            mismatch = layout_mismatch(tensors, device)
+            if mismatch is not None:
+                raise _LayoutMismatch(describe_mismatch(mismatch, tensor_namer(self.strategy, trainer, tensors)))
             control = mine.encode(n)
             # The local state's entries ride behind the round's control data, in the same collective.
             # Checkpoint and early-stopping scores are agreed by every rank at each decision: nothing to average.
@@ -344,6 +349,8 @@ class FitSession:
             summed = meeting.summed()[: len(control)]
             if self.local_state is not None:
                 self.local_state.settle(meeting.summed()[len(control) :], device)
+        except _LayoutMismatch as error:  # the same on every rank, and no rank is lost
+            raise ValueError(str(error)) from None
         except Exception as error:  # a peer died, raised or hung past the timeout: name it, save, then stop
             raise RuntimeError(self.failures.named(error) + self.failures.save(trainer, self.loader)) from error
         if self.recovery is not None:
@@ -374,21 +381,12 @@ class FitSession:
         return summed.tolist()
 
     def _synchronized_tensors(self, trainer: Trainer) -> list[Tensor]:
-        """What a round combines: trainable parameters, buffers, averaged copies of the model kept by callbacks
-        (EMA) and, if asked, the optimizer state every rank holds."""
-        s = self.strategy
-        extra = internals.averaged_copies(trainer)
-        module = s.lightning_module
-        assert module is not None
-        reshard_gathered([module, *extra])  # a forward without backward may have left shards gathered
-        moving = self.local_state.averaged() if self.local_state is not None else []  # frozen, yet moved by user code
-        if not self.average_optimizer_state:
-            return averaged_tensors(module, extra_modules=extra) + moving
-        # Which parameters have optimizer state differs between ranks (a head some rank never used): only the state
-        # every rank holds is averaged, so that all ranks pack buffers of one layout.
-        mask = agree_on_layout(optimizer_state_layout(s.optimizers), s.root_device)
-        return averaged_tensors(module, s.optimizers, state_mask=mask, extra_modules=extra) + moving
+        return round_tensors(self.strategy, trainer, self.local_state, self.average_optimizer_state)
 
     def report_failure(self, error: BaseException) -> None:
         """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""
         self.failures.report(error, self.loader)
+
+
+class _LayoutMismatch(Exception):
+    """Every rank found the ranks' tensors differ in shape (not a failure of any rank)."""

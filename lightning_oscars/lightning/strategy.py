@@ -39,6 +39,7 @@ from lightning_oscars.dist.schemes import SyncScheme
 from lightning_oscars.lightning import _internals as internals
 from lightning_oscars.lightning.batch_hooks import BatchBalanceHooks
 from lightning_oscars.lightning.collectives import LocalStepCollectives
+from lightning_oscars.lightning.namespaces import BindsToTrainerNamespace
 from lightning_oscars.lightning.recovery import FitRecovery, find_recovery_point, recovery_store
 from lightning_oscars.lightning.session import FitSession
 from lightning_oscars.lightning.sharded_replicas import ShardedReplicaHooks
@@ -59,7 +60,13 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 class OscarsStrategy(
-    OscarsOptions, RoundViews, TunerRuns, ShardedReplicaHooks, BatchBalanceHooks, LocalStepCollectives
+    BindsToTrainerNamespace,
+    OscarsOptions,
+    RoundViews,
+    TunerRuns,
+    ShardedReplicaHooks,
+    BatchBalanceHooks,
+    LocalStepCollectives,
 ):
     """Load-balanced local SGD for clusters whose ranks run at different speeds (the Oscars method).
 
