@@ -10,6 +10,7 @@ from torch.utils.data import RandomSampler, SequentialSampler, WeightedRandomSam
 from torch.utils.data.distributed import DistributedSampler
 
 from lightning_oscars.core.loader import EpochOrder
+from lightning_oscars.core.loader_shape import global_view
 from lightning_oscars.lightning._internals import unwrap_sampler
 
 DATA = list(range(50))
@@ -47,13 +48,15 @@ def test_a_custom_sampler_is_drawn_and_shared():
     assert len(drawn) == 30 and drawn.count(0) > 15
 
 
-def test_what_cannot_be_honoured_is_refused():
+def test_a_distributed_sampler_subclass_is_drawn_as_the_global_order_it_shards():
     class MyDistributed(DistributedSampler):
         pass
 
-    with pytest.raises(ValueError, match="yields\\s+only this rank's share"):
-        EpochOrder.of(MyDistributed(DATA, num_replicas=2, rank=0), 50, None)
+    order = EpochOrder.of(global_view(MyDistributed(DATA, num_replicas=2, rank=0)), 50, None)
+    assert order.kind == "sampler" and order.shared and sorted(order.draw(0)) == list(range(50))
 
+
+def test_what_cannot_be_honoured_is_refused():
     class Endless(torch.utils.data.Sampler):
         def __iter__(self):
             while True:

@@ -7,10 +7,13 @@ order of sample indices, which the loader then partitions between ranks by speed
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
+
+from lightning_oscars.core.loader_shape import global_view, loader_shape, unit_source
 
 __all__ = ["EpochOrder", "training_set_size"]
 
@@ -24,12 +27,14 @@ class EpochOrder:
     * ``"sampler"``: whatever the user's own sampler yields this epoch (weighted, curriculum, with replacement,
       ...), possibly not ``n`` indices. Only one rank may draw it (a sampler's random state differs between
       ranks): :attr:`shared` tells the strategy to draw on rank 0 and broadcast.
+    * ``"units"``: the user's batches as its batch sampler (or a ``batch_size=None`` loader's sampler) yields them
+      this epoch, each kept whole (``loader_shape.py``); drawn on rank 0 and broadcast likewise.
     """
 
     def __init__(self, kind: str, num_samples: int, seed: int = 0, sampler: Sampler | None = None) -> None:
-        if kind not in ("sequential", "permutation", "sampler"):
+        if kind not in ("sequential", "permutation", "sampler", "units"):
             raise ValueError(f"unknown epoch order {kind!r}")
-        if kind == "sampler" and sampler is None:
+        if kind in ("sampler", "units") and sampler is None:
             raise ValueError("a sampler order needs the sampler")
         self.kind = kind
         self.num_samples = num_samples
@@ -39,7 +44,7 @@ class EpochOrder:
     @property
     def shared(self) -> bool:
         """Whether ranks must share one rank's draw (they cannot reproduce it independently)."""
-        return self.kind == "sampler"
+        return self.kind in ("sampler", "units")
 
     def draw(self, epoch: int) -> list[int]:
         if self.kind == "sequential":
@@ -48,13 +53,15 @@ class EpochOrder:
             generator = torch.Generator().manual_seed(self.seed + epoch)
             return torch.randperm(self.num_samples, generator=generator).tolist()
         assert self.sampler is not None
-        set_epoch = getattr(self.sampler, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-        order = [int(i) for i in self.sampler]
+        for source in (self.sampler, getattr(self.sampler, "sampler", None)):  # a batch sampler's own sampler too
+            set_epoch = getattr(source, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+        order = list(self.sampler) if self.kind == "units" else [int(i) for i in self.sampler]  # type: ignore[call-overload]
         if len(order) != self.num_samples:
+            what = "batches" if self.kind == "units" else "indices"
             raise ValueError(
-                f"The training sampler yielded {len(order)} indices this epoch but its length is {self.num_samples};"
+                f"The training sampler yielded {len(order)} {what} this epoch but its length is {self.num_samples};"
                 " oscars sizes every epoch from len(sampler), which must match what it yields."
             )
         return order
@@ -62,17 +69,12 @@ class EpochOrder:
     @classmethod
     def of(cls, sampler: object, dataset_size: int, seed: int | None) -> EpochOrder:
         """The order the user's ``sampler`` asks for (unwrapped from Lightning's wrapper by the caller: see
-        ``lightning._internals.unwrap_sampler``). ``seed`` (the strategy's, or ``None`` to follow the sampler's or
-        ``seed_everything``'s) seeds a shuffled order."""
+        ``lightning._internals.unwrap_sampler``; a ``DistributedSampler`` subclass as its global view,
+        ``loader_shape.global_view``, drawn as any custom sampler). ``seed`` (the strategy's, or ``None`` to follow
+        the sampler's or ``seed_everything``'s) seeds a shuffled order."""
         if type(sampler) is DistributedSampler:  # injected by Lightning (or plain): its shuffle flag and seed
             kind = "permutation" if sampler.shuffle else "sequential"
             return cls(kind, dataset_size, sampler.seed if seed is None else seed)
-        if isinstance(sampler, DistributedSampler):
-            raise ValueError(
-                f"The training DataLoader uses {type(sampler).__name__}, a DistributedSampler subclass that yields"
-                " only this rank's share; oscars splits one epoch between ranks by speed itself. Pass the"
-                " underlying (non-distributed) sampler and let oscars partition it, or use strategy='ddp'."
-            )
         if seed is None:
             seed = _global_seed()
         if isinstance(sampler, SequentialSampler):
@@ -89,6 +91,29 @@ class EpochOrder:
                 " the epoch. Give it a __len__, or use strategy='ddp'."
             ) from None
         return cls("sampler", length, seed, sampler)  # type: ignore[arg-type]
+
+
+    @classmethod
+    def of_loader(cls, dataloader: DataLoader, seed: int | None, unwrap: Callable[[object], object]) -> EpochOrder:
+        """The order of a training ``dataloader`` as Lightning set it up: of its samples, or of its batches when it
+        batches itself (``loader_shape.py``), its sampler read as the global order (``unwrap``: what takes Lightning's
+        wrapper off)."""
+        if loader_shape(dataloader) == "samples":
+            return cls.of(global_view(dataloader.sampler, unwrap), training_set_size(dataloader), seed)
+        return cls.of_units(global_view(unit_source(dataloader), unwrap), seed)
+
+    @classmethod
+    def of_units(cls, source: object, seed: int | None) -> EpochOrder:
+        """The order of the user's batches that ``source`` (a batch sampler, or a ``batch_size=None`` loader's
+        sampler, as its global view) yields."""
+        try:
+            length = len(source)  # type: ignore[arg-type]
+        except TypeError:
+            raise ValueError(
+                f"The training batch sampler {type(source).__name__} has no length; oscars needs len() to plan the"
+                " epoch. Give it a __len__, or use strategy='ddp'."
+            ) from None
+        return cls("units", length, _global_seed() if seed is None else seed, source)  # type: ignore[arg-type]
 
 
 def training_set_size(dataloader: DataLoader) -> int:

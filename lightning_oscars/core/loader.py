@@ -38,6 +38,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_oscars.core.deadline import DeadlinePacer
 from lightning_oscars.core.epoch_order import EpochOrder, training_set_size
+from lightning_oscars.core.loader_shape import (
+    UnitFeed,
+    check_unit_loader,
+    feed_batches,
+    inner_loader,
+    inner_loader_kwargs,
+    loader_shape,
+    unit_samples,
+)
 from lightning_oscars.core.partition import EpochPlan
 from lightning_oscars.core.quotas import block_widths
 from lightning_oscars.core.replicas import ReplicaLayout, replica_batches
@@ -55,31 +64,6 @@ __all__ = [
     "training_set_size",
 ]  # EpochOrder: see epoch_order.py
 
-# DataLoader arguments carried over from the user's loader to the inner one.
-_CARRIED = (
-    "num_workers",
-    "collate_fn",
-    "pin_memory",
-    "timeout",
-    "worker_init_fn",
-    "multiprocessing_context",
-    "prefetch_factor",
-    "persistent_workers",
-    "pin_memory_device",
-    "in_order",
-)
-
-
-def inner_loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
-    """What an inner ``DataLoader`` over the user's dataset takes from the user's loader (collate function, workers,
-    pinning, ...); the worker-only arguments only when it has workers."""
-    kwargs = {k: getattr(dataloader, k) for k in _CARRIED if hasattr(dataloader, k)}
-    if kwargs.get("num_workers", 0) == 0:
-        for key in ("prefetch_factor", "persistent_workers", "timeout"):
-            kwargs.pop(key, None)
-    return kwargs
-
-
 def _plan_batches(
     batch_size: int, batch_sizes: Sequence[int] | None, world_size: int, replica_size: int
 ) -> tuple[int, tuple[int, ...] | None]:
@@ -95,19 +79,6 @@ def _plan_batches(
 def empty_batch(batch: Any) -> Any:
     """``batch`` with every tensor of at least one dimension cut to zero rows (a no-op slot's batch)."""
     return apply_to_collection(batch, Tensor, lambda t: t[:0] if t.dim() > 0 else t)
-
-
-class _IndexLists:
-    """The inner loader's batch sampler: a list of index lists, replaced at every re-plan."""
-
-    def __init__(self) -> None:
-        self.batches: list[list[int]] = []
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.batches)
-
-    def __len__(self) -> int:
-        return len(self.batches)
 
 
 class EpochSampler:
@@ -149,18 +120,22 @@ class LoadBalancedLoader:
     ) -> None:
         size = training_set_size(dataloader)
         dataset = dataloader.dataset
-        if dataloader.batch_size is None:
-            raise ValueError(
-                "strategy='oscars' needs the training DataLoader's batch_size; a custom batch_sampler is not"
-                " supported. Pass batch_size=... (and drop_last) to the DataLoader instead."
-            )
+        # The unit of the partition: a sample, or one of the user's batches kept whole (loader_shape.py).
+        self.shape = loader_shape(dataloader)
+        check_unit_loader(self.shape, batch_sizes, replica_size)
         if order is None:
             order = EpochOrder("permutation" if shuffle else "sequential", size, seed)
         self.order = order
         self.dataset: Dataset = dataset
-        # With per-rank batch sizes the plan's batches are blocks, ``widths[rank]`` of them per batch of this rank.
-        self.batch_size, self.widths = _plan_batches(int(dataloader.batch_size), batch_sizes, world_size, replica_size)
-        self.drop_last = bool(dataloader.drop_last)
+        if self.shape == "samples":
+            # With per-rank batch sizes the plan's batches are blocks, ``widths[rank]`` of them per batch of a rank.
+            batch_size = int(dataloader.batch_size)  # type: ignore[arg-type]
+            self.batch_size, self.widths = _plan_batches(batch_size, batch_sizes, world_size, replica_size)
+            self.drop_last = bool(dataloader.drop_last)
+        else:  # one of the plan's batches is one of the user's, which drops (or keeps) its own remainder
+            if order.kind != "units":
+                raise ValueError(f"a loader of the user's batches needs their order, not a {order.kind!r} one")
+            self.batch_size, self.widths, self.drop_last = 1, None, False
         self.num_samples = order.num_samples
         if not 0 <= member < replica_size:
             raise ValueError(f"member {member} outside a replica of {replica_size} ranks")
@@ -176,8 +151,8 @@ class LoadBalancedLoader:
         loader_kwargs = inner_loader_kwargs(dataloader)
         self._loader_kwargs = loader_kwargs
         self.uses_workers = loader_kwargs.get("num_workers", 0) > 0
-        self._feed = _IndexLists()
-        self._inner_loader = DataLoader(dataset, batch_sampler=self._feed, **loader_kwargs)
+        self._feed = UnitFeed()
+        self._inner_loader = inner_loader(dataset, self._feed, self.shape, loader_kwargs)
         self.plan: EpochPlan | None = None
         self.pacer: DeadlinePacer | None = None  # decides the real slots of deadline rounds (set by the strategy)
         self.warmup_gate: WarmupGate | None = None  # decides those of the time-boxed warm-up round (likewise)
@@ -281,15 +256,16 @@ class LoadBalancedLoader:
             self._order, self._order_epoch = self.order.draw(epoch), epoch
         return self._order
 
-    def fetch(self, batches: Sequence[Sequence[int]]) -> Iterator[Any]:
-        """(Re)start the inner loader on ``batches`` (index lists); the same worker processes when persistent."""
-        self._feed.batches = [list(b) for b in batches]
+    def fetch(self, batches: Sequence[Sequence[Any]]) -> Iterator[Any]:
+        """(Re)start the inner loader on ``batches`` (each the units of one batch: sample indices, or the user's
+        batches); the same worker processes when persistent."""
+        self._feed.batches = feed_batches(batches, self.shape)
         return iter(self._inner_loader)
 
-    def fetch_one(self, indices: Sequence[int]) -> Any:
+    def fetch_one(self, indices: Sequence[Any]) -> Any:
         """One batch outside the epoch's stream, in this process (no worker start-up for a single batch)."""
         kwargs = {k: v for k, v in self._loader_kwargs.items() if k in ("collate_fn", "pin_memory")}
-        return next(iter(DataLoader(self.dataset, batch_sampler=[list(indices)], **kwargs)))
+        return next(iter(inner_loader(self.dataset, feed_batches([indices], self.shape), self.shape, kwargs)))
 
     def __iter__(self) -> Iterator[Any]:
         self._iterator = _EpochIterator(self)
@@ -305,7 +281,7 @@ class LoadBalancedLoader:
             iterator.close()
         self._slots.clear()
         # Persistent workers live as long as their DataLoader: a fresh one (no worker until iterated) lets them go.
-        self._inner_loader = DataLoader(self.dataset, batch_sampler=self._feed, **self._loader_kwargs)
+        self._inner_loader = inner_loader(self.dataset, self._feed, self.shape, self._loader_kwargs)
 
 
 class _EpochIterator:
@@ -384,7 +360,8 @@ class _EpochIterator:
         else:
             indices = self._indices(batch)
             item, seconds = self._real_batch(indices)
-            info = SlotInfo(True, len(indices), seconds, round_slot)
+            samples = len(indices) if owner.shape == "samples" else sum(unit_samples(u) for u in indices)
+            info = SlotInfo(True, samples, seconds, round_slot)
             self.last_batch = item
         self.position += 1
         owner._slots.append(info)

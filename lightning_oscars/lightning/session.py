@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_oscars.core.control import ControlData
-from lightning_oscars.core.loader import EpochOrder, LoadBalancedLoader, training_set_size
+from lightning_oscars.core.loader import EpochOrder, LoadBalancedLoader
 from lightning_oscars.core.rounds import RoundController
 from lightning_oscars.core.slots import ends_slot
 from lightning_oscars.dist.layouts import describe_mismatch, layout_mismatch
@@ -155,7 +155,7 @@ class FitSession:
             replica_size=rounds.replica_size,
             member=rounds.member,
             batches_per_slot=internals.accumulation_at(trainer, trainer.current_epoch),
-            order=EpochOrder.of(internals.unwrap_sampler(dataloader.sampler), training_set_size(dataloader), self.seed),
+            order=EpochOrder.of_loader(dataloader, self.seed, internals.unwrap_sampler),
             batch_sizes=self.batch_sizes,
         )
         self.adopt_loader(loader)

@@ -1,0 +1,147 @@
+"""The user's batching, as written, in-process (``core/loader_shape.py``): a custom ``batch_sampler`` (length
+buckets) and a ``batch_size=None`` loader over a ``BatchSampler`` are split between ranks batch by batch, every batch
+once per epoch in the order the user's sampler yields it; a library's ``DistributedSampler`` subclass is read as the
+global order it shards; options that would resize or split the user's batches are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from lightning_oscars.core.epoch_order import EpochOrder
+from lightning_oscars.core.loader import LoadBalancedLoader
+from lightning_oscars.core.loader_shape import global_view, loader_shape
+from lightning_oscars.core.partition import EpochPlan, planned_slots
+
+LOCAL_STEPS = (3, 1)
+
+
+class Rows(Dataset):
+    """Item ``i`` is ``i``; indexed by a list (``batch_size=None`` over a BatchSampler) it is that list's rows."""
+
+    def __len__(self) -> int:
+        return 45
+
+    def __getitem__(self, index):
+        return torch.as_tensor(index)
+
+
+class LengthBuckets(Sampler[list[int]]):
+    """Batches of samples of similar length (here: ``i % 3``), the buckets' order shuffled per epoch by seed."""
+
+    def __init__(self, n: int, batch_size: int, seed: int = 0) -> None:
+        self.n, self.batch_size, self.seed, self.epoch = n, batch_size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _batches(self) -> list[list[int]]:
+        buckets = [[i for i in range(self.n) if i % 3 == b] for b in range(3)]
+        batches = [
+            bucket[j : j + self.batch_size] for bucket in buckets for j in range(0, len(bucket), self.batch_size)
+        ]
+        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return [batches[k] for k in order.tolist()]
+
+    def __iter__(self):
+        return iter(self._batches())
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+
+class BatchesOfShard(DistributedSampler):
+    """A library's own ddp sampler: this rank's shard of a shuffled order, in batches (as single-cell tools do)."""
+
+    def __init__(self, dataset, batch_size: int, **kwargs) -> None:
+        super().__init__(dataset, **kwargs)
+        self.batch_size = batch_size
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        return iter([indices[i : i + self.batch_size] for i in range(0, len(indices), self.batch_size)])
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+
+def _epoch(user: DataLoader, rank: int, epoch: int = 0) -> list[list[int]]:
+    """The rows ``rank`` trains in one epoch, batch by batch (the order drawn as rank 0 would and shared)."""
+    order = EpochOrder.of_loader(user, seed=None, unwrap=lambda s: s)
+    loader = LoadBalancedLoader(user, rank=rank, world_size=2, order=order)
+    slots = planned_slots(LOCAL_STEPS, loader.total_units)
+    loader.start_epoch(EpochPlan(2, loader.total_units, slots, LOCAL_STEPS), epoch, None)
+    trained, iterator = [], iter(loader)
+    for _ in range(len(loader)):
+        batch = next(iterator)
+        if loader.take_slot().real:
+            trained.append(torch.as_tensor(batch).reshape(-1).tolist())
+    loader.close()
+    return trained
+
+
+def _user_batches(user: DataLoader, epoch: int) -> list[list[int]]:
+    source = user.batch_sampler if loader_shape(user) == "batch_sampler" else user.sampler
+    source = global_view(source)
+    for s in (source, getattr(source, "sampler", None)):
+        if hasattr(s, "set_epoch"):
+            s.set_epoch(epoch)
+    return [list(b) for b in source]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DataLoader(Rows(), batch_sampler=LengthBuckets(45, 4)),
+        lambda: DataLoader(Rows(), batch_size=None, sampler=BatchSampler(RandomSampler(Rows()), 4, False)),
+        lambda: DataLoader(Rows(), batch_size=None, sampler=BatchesOfShard(Rows(), 4, num_replicas=2, rank=1)),
+    ],
+    ids=["length_buckets", "batch_size_none_over_batch_sampler", "distributed_sampler_subclass"],
+)
+def test_the_users_batches_are_the_unit_every_batch_once_in_the_users_order(make):
+    user = make()
+    assert loader_shape(user) != "samples"
+    for epoch in (0, 1):
+        torch.manual_seed(7)  # a RandomSampler draws from the global generator: rank 0's draw is shared
+        expected = _user_batches(make(), epoch) if not isinstance(user.sampler, RandomSampler) else None
+        ranks = []
+        for rank in (0, 1):
+            torch.manual_seed(7)
+            ranks.append(_epoch(make(), rank, epoch))
+        fast, slow = ranks
+        assert len(fast) > len(slow) > 0  # split by speed: 3 local steps to 1
+        everything = fast + slow
+        assert sorted(i for b in everything for i in b) == list(range(45))  # every sample once
+        if expected is not None:
+            assert sorted(map(tuple, everything)) == sorted(map(tuple, expected))  # the user's batches, whole
+            # In the user's order: each rank's batches come in the order the sampler yields them.
+            for mine in (fast, slow):
+                positions = [expected.index(b) for b in mine]
+                assert positions == sorted(positions)
+
+
+def test_a_distributed_sampler_subclass_is_read_as_the_order_it_shards():
+    shard = BatchesOfShard(Rows(), 4, num_replicas=2, rank=1, shuffle=True, seed=3)
+    whole = global_view(shard)
+    assert whole is not shard and shard.num_replicas == 2 and shard.rank == 1  # the user's sampler is untouched
+    rows = [i for b in whole for i in b]
+    assert sorted(rows) == list(range(45))  # every rank's share, no padding
+    shard.set_epoch(1)
+    assert [i for b in global_view(shard) for i in b] != rows  # its own shuffle, per epoch
+
+
+def test_a_plain_sampler_loader_keeps_its_shape():
+    user = DataLoader(Rows(), batch_size=4, sampler=SequentialSampler(Rows()))
+    assert loader_shape(user) == "samples"
+    assert EpochOrder.of_loader(user, seed=None, unwrap=lambda s: s).kind == "sequential"
+
+
+@pytest.mark.parametrize("option", ["batch_sizes", "replica_size"])
+def test_options_that_would_resize_or_split_the_users_batches_are_refused_by_name(option):
+    user = DataLoader(Rows(), batch_sampler=LengthBuckets(45, 4))
+    order = EpochOrder.of_loader(user, seed=None, unwrap=lambda s: s)
+    kwargs = {"batch_sizes": [4, 4]} if option == "batch_sizes" else {"replica_size": 2}
+    with pytest.raises(ValueError, match=f"{option}.*custom batch_sampler"):
+        LoadBalancedLoader(user, rank=0, world_size=2, order=order, **kwargs)
