@@ -170,6 +170,11 @@ def rewind_batch_progress(checkpoint: dict[str, Any], batch: int) -> None:
     progress["is_last_batch"] = False
 
 
+def dataloader_preparation(trainer: Trainer) -> PatchPoint:
+    """Where Lightning re-makes a loader with its distributed sampler (``_prepare_dataloader``)."""
+    return trainer._data_connector, "_prepare_dataloader"
+
+
 def first_training_dataloader(trainer: Trainer) -> object:
     """The fit's (first) training DataLoader as the user's code returns it, before Lightning wraps it (its
     ``train_dataloader`` hook is called once more)."""

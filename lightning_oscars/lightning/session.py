@@ -44,6 +44,7 @@ from lightning_oscars.lightning.adapter import LightningAdapter
 from lightning_oscars.lightning.agreement import MetricAgreement
 from lightning_oscars.lightning.callbacks import append_round_callbacks, insert_round_callbacks, without_callbacks
 from lightning_oscars.lightning.fit_failures import FitFailures
+from lightning_oscars.lightning.loader_patch import UserBatching
 from lightning_oscars.lightning.recovery import RECOVERY_GRACE_S, FitRecovery
 from lightning_oscars.lightning.round_tensors import round_tensors, tensor_namer
 
@@ -91,6 +92,7 @@ class FitSession:
         self.on_training_end = on_training_end
         self.recovery = recovery
         self.adapter = LightningAdapter(self.slot_is_real, strategy.root_device)
+        self.user_batching = UserBatching()
         self.loader: LoadBalancedLoader | None = None
         self.agreement = MetricAgreement(strategy)
         self.ended = False
@@ -107,6 +109,7 @@ class FitSession:
         """Insert the round callbacks (a monitor too, if asked and none is there). ``after_tuner``: append them
         after the callbacks of a tuner's loop run instead (see ``OscarsStrategy.on_train_start``)."""
         self._trainer = trainer
+        self.user_batching.install(trainer)  # before the training loader is made
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if after_tuner:
             self._callbacks = append_round_callbacks(self, callbacks)
@@ -128,6 +131,7 @@ class FitSession:
             self._trainer.callbacks = without_callbacks(self._trainer.callbacks, self._callbacks)  # type: ignore[attr-defined]
         self._trainer, self._callbacks = None, []
         self.adapter.remove(keep_zombie_guard=self.rounds.failed and self.recovery is not None)
+        self.user_batching.remove()
         if self.rounds.failed:  # a peer may be gone: a parameter server must not wait for its last word
             self.scheme.abandon()
         self.scheme.release()

@@ -1,0 +1,210 @@
+"""Loaders and models in the shape real Lightning libraries give them (issue 56), on 2 ranks through Lightning's
+launcher, rank 1 three times slower and ``warmup_steps=1`` so that the ranks take unequal local steps, in either
+Lightning namespace. Each case writes, per rank, its whole state and the sample ids it trained in each epoch.
+
+Usage: python tests/loader_shapes_case.py NAMESPACE CASE[+CASE...] OUT_DIR
+  NAMESPACE: lightning.pytorch or pytorch_lightning (the Trainer, module and callbacks all come from it)
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
+from torch.utils.data.distributed import DistributedSampler
+
+torch.set_num_threads(1)
+NAMESPACE = sys.argv[1] if len(sys.argv) > 1 else "lightning.pytorch"
+pl: Any = importlib.import_module(NAMESPACE)
+oscars: Any = importlib.import_module(
+    "lightning_oscars" if NAMESPACE == "lightning.pytorch" else "lightning_oscars.pytorch_lightning"
+)
+N = 45  # an epoch's last batch of 8 is short
+
+
+class Ids(Dataset):
+    """Sample ``i``: features whose first column is ``i`` (so that a rank can say what it trained) and a label.
+    Indexed by a list (``batch_size=None`` over a batch sampler) it returns those rows at once."""
+
+    def __init__(self, n: int = N) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.x[:, 0] = torch.arange(n, dtype=torch.float32)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+class LengthBuckets(Sampler):
+    """Length-bucketed batches (speech and NLP code): samples of one bucket (``i % 3``) together, the batches'
+    order shuffled per epoch."""
+
+    def __init__(self, n: int, batch_size: int) -> None:
+        self.n, self.batch_size, self.epoch = n, batch_size, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _batches(self) -> list[list[int]]:
+        size = self.batch_size
+        buckets = [[i for i in range(self.n) if i % 3 == b] for b in range(3)]
+        batches = [bucket[j : j + size] for bucket in buckets for j in range(0, len(bucket), size)]
+        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        return [batches[k] for k in order]
+
+    def __iter__(self):
+        return iter(self._batches())
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+
+class BatchesOfShard(DistributedSampler):
+    """A library's own ddp sampler (single-cell tools): this rank's shard of a shuffled order, in batches, used with
+    ``batch_size=None``."""
+
+    def __init__(self, dataset, batch_size: int, **kwargs) -> None:
+        super().__init__(dataset, **kwargs)
+        self.batch_size = batch_size
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        return iter([indices[i : i + self.batch_size] for i in range(0, len(indices), self.batch_size)])
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+
+class Model(pl.LightningModule):
+    """An MLP with BatchNorm that records the sample ids it trained, epoch by epoch."""
+
+    def __init__(self, loader: str = "plain") -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        self.loader = loader
+        self.trained: list[list[int]] = []
+        self.steps_taken = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def on_train_epoch_start(self) -> None:
+        self.trained.append([])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if len(y):
+            self.trained[-1] += x[:, 0].long().tolist()
+            self.steps_taken += 1
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self):
+        data = Ids()
+        if self.loader == "buckets":
+            return DataLoader(data, batch_sampler=LengthBuckets(N, 4))
+        if self.loader == "batch_none":
+            return DataLoader(data, batch_size=None, sampler=BatchSampler(RandomSampler(data), 5, drop_last=False))
+        if self.loader == "dist_subclass":
+            world, rank = self.trainer.world_size, self.trainer.global_rank
+            sampler = BatchesOfShard(data, 5, num_replicas=world, rank=rank, shuffle=True, seed=1)
+            return DataLoader(data, batch_size=None, sampler=sampler)
+        return DataLoader(data, batch_size=8, shuffle=True)
+
+
+class MaskedAttention(Model):
+    """Forecasting models' idiom (a temporal fusion transformer's masks): non-persistent buffers rebuilt for each
+    batch size, so the rank that trains an epoch's short last batch holds smaller ones."""
+
+    def __init__(self, persistent: bool = False) -> None:
+        super().__init__()
+        self.persistent = persistent
+        self.register_buffer("attention_mask", torch.ones(8, 8), persistent=persistent)
+        self.register_buffer("relative_index", torch.arange(8), persistent=persistent)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.attention_mask.shape[0] != len(x):  # rebuilt for this batch size
+            self.attention_mask = torch.tril(torch.ones(len(x), len(x)))
+            self.relative_index = torch.arange(len(x))
+        mixed = (self.attention_mask / self.attention_mask.sum(1, keepdim=True).clamp(min=1)) @ x
+        return self.net(x + 0.1 * mixed)
+
+
+def build(case: str) -> pl.LightningModule:
+    if case in ("plain", "buckets", "batch_none", "dist_subclass"):
+        return Model(loader=case)
+    if case == "masks":
+        return MaskedAttention()
+    if case == "persistent_masks":
+        return MaskedAttention(persistent=True)
+    raise SystemExit(f"unknown case {case}")
+
+
+def state_of(module: nn.Module) -> dict[str, list[float]]:
+    return {k: v.detach().double().reshape(-1).tolist() for k, v in module.state_dict().items()}
+
+
+def run_one(case: str, strategy: Any, out: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    module = build(case)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=3,
+        callbacks=[oscars.HeterogeneityEmulator({1: 3.0})],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out),
+        limit_val_batches=0,
+    )
+    result: dict[str, Any] = {
+        "strategy_class": f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__name__}"
+    }
+    try:
+        trainer.fit(module)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(error).__name__}: {error}"
+        result["traceback"] = traceback.format_exc()
+    result.update(rank=trainer.global_rank, state=state_of(module), trained=module.trained, steps=module.steps_taken)
+    result["buffers"] = {k: list(v.shape) for k, v in module.named_buffers()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    cases, out = sys.argv[2].split("+"), Path(sys.argv[3])
+    dump_after = float(os.environ.get("OSCARS_TEST_DUMP_AFTER", "0"))
+    if dump_after > 0:
+        faulthandler.dump_traceback_later(dump_after, exit=True)
+    for case in cases:
+        if case.startswith("name:"):  # a registered strategy name, on the plain loader
+            run_one("plain", case.split(":", 1)[1], out / case.replace(":", "_"))
+        elif case == "object_of_lightning":  # an OscarsStrategy made from the lightning.pytorch-bound package
+            import lightning_oscars
+
+            run_one("plain", lightning_oscars.OscarsStrategy(warmup_steps=1), out / case)
+        else:
+            run_one(case, oscars.OscarsStrategy(warmup_steps=1), out / case)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()

@@ -1,0 +1,110 @@
+"""The shapes real Lightning libraries give their loaders and models (issue 56), in both Lightning namespaces, on 2
+ranks through Lightning's launcher, rank 1 three times slower and ``warmup_steps=1`` (``tests/loader_shapes_case.py``):
+
+* a length-bucketed ``batch_sampler``, ``batch_size=None`` over a ``BatchSampler``, a library's ``DistributedSampler``
+  subclass yielding batches: every rank ends with the same parameters and buffers, and every sample is trained once
+  per epoch;
+* a forecasting model's masks, non-persistent buffers rebuilt for each batch size: ranks hold masks of different
+  shapes, the state dict is the same on both; the same masks made persistent: one error on every rank naming each
+  buffer and each rank's shape (not a lost rank);
+* under ``pytorch_lightning``: every registered strategy name, and an ``OscarsStrategy`` made from ``lightning_oscars``
+  (bound to ``lightning.pytorch``) handed to a ``pytorch_lightning.Trainer``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+from subproc import ROOT, assert_clean_exit, clean_env, run_in_pairs
+
+import lightning_oscars
+
+NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+LOADERS = ("buckets", "batch_none", "dist_subclass")
+OURS = sorted(
+    name for name, entry in StrategyRegistry.items() if entry["strategy"].__module__.startswith("lightning_oscars.")
+)
+NAMES = tuple(f"name:{name}" for name in OURS)
+TIMEOUT = 240
+SAMPLES = 45
+
+
+def _cases(namespace: str) -> list[str]:
+    extra = ["object_of_lightning", *NAMES] if namespace == "pytorch_lightning" else []
+    return [*LOADERS, "masks", *extra, "persistent_masks"]  # the failing fit last
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> dict[tuple[str, str], list[dict]]:
+    out = tmp_path_factory.mktemp("loader_shapes")
+    script = str(ROOT / "tests" / "loader_shapes_case.py")
+    cmds = [[sys.executable, script, ns, "+".join(_cases(ns)), str(out / ns)] for ns in NAMESPACES]
+    for code, log in run_in_pairs(cmds, TIMEOUT, env=clean_env(OSCARS_TEST_DUMP_AFTER=str(TIMEOUT - 20))):
+        assert_clean_exit(code, log, TIMEOUT)
+    found = {}
+    for ns in NAMESPACES:
+        for case in _cases(ns):
+            folder = out / ns / case.replace(":", "_")
+            found[ns, case] = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+    return found
+
+
+def _assert_identical_and_every_sample_once(pair: list[dict]) -> None:
+    fast, slow = pair
+    assert "error" not in fast and "error" not in slow, (fast.get("traceback"), slow.get("traceback"))
+    assert fast["state"] == slow["state"]  # every parameter and buffer of the state dict, bitwise
+    assert len(fast["trained"]) == len(slow["trained"]) == 3
+    for mine, theirs in zip(fast["trained"], slow["trained"]):
+        assert sorted(mine + theirs) == list(range(SAMPLES))  # every sample once in every epoch
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("namespace", NAMESPACES)
+@pytest.mark.parametrize("loader", LOADERS)
+def test_a_loader_that_batches_itself_trains_every_sample_once_with_identical_ranks(ranks, namespace, loader):
+    pair = ranks[namespace, loader]
+    _assert_identical_and_every_sample_once(pair)
+    assert pair[0]["steps"] > pair[1]["steps"], "the ranks took unequal local steps"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_non_persistent_buffers_rebuilt_per_batch_are_left_to_the_module(ranks, namespace):
+    pair = ranks[namespace, "masks"]
+    _assert_identical_and_every_sample_once(pair)
+    shapes = {tuple(rank["buffers"]["attention_mask"]) for rank in pair}
+    assert len(shapes) == 2, "one rank trained the short last batch: its masks are smaller, and stay its own"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_a_persistent_buffer_of_different_shapes_is_one_error_on_every_rank_naming_it(ranks, namespace):
+    fast, slow = ranks[namespace, "persistent_masks"]
+    assert fast["error"] == slow["error"]
+    assert fast["error"].startswith("ValueError: The ranks hold tensors of different shapes")
+    for buffer, shape in (("attention_mask", "(8, 8)"), ("relative_index", "(8,)")):
+        assert f"buffer {buffer!r}: {shape} on rank 0" in fast["error"] or f"{shape} on rank 1" in fast["error"]
+    assert "did not reach" not in fast["error"] and "lost" not in fast["error"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["object_of_lightning", *NAMES])
+def test_every_strategy_trains_a_pytorch_lightning_trainer_with_identical_ranks(ranks, case):
+    pair = ranks["pytorch_lightning", case]
+    _assert_identical_and_every_sample_once(pair)
+    assert pair[0]["strategy_class"].startswith("lightning_oscars.pytorch_lightning.")
+
+
+def test_every_registered_name_is_registered_in_pytorch_lightning_too():
+    import pytorch_lightning
+
+    assert lightning_oscars  # imported first: the standalone registry fills when pytorch_lightning is imported
+    standalone = pytorch_lightning.strategies.StrategyRegistry
+    assert len(OURS) == 10 and all(name in standalone for name in OURS)
+    for name in OURS:
+        theirs = standalone[name]["strategy"]
+        assert theirs.__module__.startswith("lightning_oscars.pytorch_lightning.")
+        assert issubclass(theirs, pytorch_lightning.strategies.DDPStrategy)
+        assert StrategyRegistry[name]["init_params"] == standalone[name]["init_params"]
