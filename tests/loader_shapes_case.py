@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,63 @@ class BatchesOfShard(DistributedSampler):
         return -(-self.num_samples // self.batch_size)
 
 
+class FailsAtEpoch1(Sampler):
+    """A custom sampler that cannot draw the second epoch (only rank 0 draws a custom sampler's epoch)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        if self.epoch == 1:
+            raise ValueError("this sampler cannot draw epoch 1")
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def forward_in_a_server(module: nn.Module, inputs: torch.Tensor, queue: Any) -> None:
+    """What a serving check does with the module in a process of its own: unpickle it, run it."""
+    module.eval()
+    with torch.no_grad():
+        queue.put(module(inputs).tolist())
+
+
+class ServesOnRankZero(pl.Callback):
+    """A callback acting on rank 0 alone at the start and end of training (as ``ServableModuleValidator``): the module,
+    detached from its trainer, is pickled into a spawned process that runs it; the outputs there and here are kept."""
+
+    def __init__(self) -> None:
+        self.outputs: list[tuple[list, list]] = []
+
+    def _serve(self, trainer, module) -> None:
+        if trainer.global_rank != 0:
+            return
+        context = torch.multiprocessing.get_context("spawn")
+        queue, inputs = context.Queue(), torch.ones(2, 8)
+        module.trainer = None  # as ServableModuleValidator does before it starts its server
+        process = context.Process(target=forward_in_a_server, args=(module, inputs, queue))
+        process.start()
+        module.trainer = trainer
+        served = queue.get(timeout=60)
+        process.join(timeout=60)
+        was_training = module.training
+        module.eval()
+        with torch.no_grad():
+            here = module(inputs).tolist()
+        module.train(was_training)
+        self.outputs.append((served, here))
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._serve(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._serve(trainer, pl_module)
+
+
 class Model(pl.LightningModule):
     """An MLP with BatchNorm that records the sample ids it trained, epoch by epoch."""
 
@@ -124,6 +182,8 @@ class Model(pl.LightningModule):
             world, rank = self.trainer.world_size, self.trainer.global_rank
             sampler = BatchesOfShard(data, 5, num_replicas=world, rank=rank, shuffle=True, seed=1)
             return DataLoader(data, batch_size=None, sampler=sampler)
+        if self.loader == "draw_fails":
+            return DataLoader(data, batch_size=8, sampler=FailsAtEpoch1(N))
         return DataLoader(data, batch_size=8, shuffle=True)
 
 
@@ -146,7 +206,7 @@ class MaskedAttention(Model):
 
 
 def build(case: str) -> pl.LightningModule:
-    if case in ("plain", "buckets", "batch_none", "dist_subclass"):
+    if case in ("plain", "buckets", "batch_none", "dist_subclass", "draw_fails", "servable"):
         return Model(loader=case)
     if case == "masks":
         return MaskedAttention()
@@ -162,12 +222,13 @@ def state_of(module: nn.Module) -> dict[str, list[float]]:
 def run_one(case: str, strategy: Any, out: Path) -> None:
     pl.seed_everything(0, verbose=False)
     module = build(case)
+    served = ServesOnRankZero() if case == "servable" else None
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_epochs=3,
-        callbacks=[oscars.HeterogeneityEmulator({1: 3.0})],
+        callbacks=[oscars.HeterogeneityEmulator({1: 3.0}), *([served] if served else [])],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -181,10 +242,12 @@ def run_one(case: str, strategy: Any, out: Path) -> None:
     try:
         trainer.fit(module)
     except Exception as error:  # noqa: BLE001 - reported to the test
+        result["failed_at"] = time.time()
         result["error"] = f"{type(error).__name__}: {error}"
         result["traceback"] = traceback.format_exc()
     result.update(rank=trainer.global_rank, state=state_of(module), trained=module.trained, steps=module.steps_taken)
     result["buffers"] = {k: list(v.shape) for k, v in module.named_buffers()}
+    result["served"] = served.outputs if served is not None else None
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

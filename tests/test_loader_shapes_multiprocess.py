@@ -8,7 +8,9 @@ ranks through Lightning's launcher, rank 1 three times slower and ``warmup_steps
   shapes, the state dict is the same on both; the same masks made persistent: one error on every rank naming each
   buffer and each rank's shape (not a lost rank);
 * under ``pytorch_lightning``: every registered strategy name, and an ``OscarsStrategy`` made from ``lightning_oscars``
-  (bound to ``lightning.pytorch``) handed to a ``pytorch_lightning.Trainer``."""
+  (bound to ``lightning.pytorch``) handed to a ``pytorch_lightning.Trainer``;
+* a callback that pickles the module into a spawned process from rank 0 (``ServableModuleValidator``); a custom
+  sampler whose draw fails on rank 0: the same failure on every rank, at once."""
 
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ SAMPLES = 45
 
 
 def _cases(namespace: str) -> list[str]:
-    extra = ["object_of_lightning", *NAMES] if namespace == "pytorch_lightning" else []
-    return [*LOADERS, "masks", *extra, "persistent_masks"]  # the failing fit last
+    if namespace == "pytorch_lightning":
+        return [*LOADERS, "masks", "object_of_lightning", *NAMES, "draw_fails"]  # the failing fit last
+    return [*LOADERS, "masks", "servable", "persistent_masks"]
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +82,8 @@ def test_non_persistent_buffers_rebuilt_per_batch_are_left_to_the_module(ranks, 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("namespace", NAMESPACES)
-def test_a_persistent_buffer_of_different_shapes_is_one_error_on_every_rank_naming_it(ranks, namespace):
-    fast, slow = ranks[namespace, "persistent_masks"]
+def test_a_persistent_buffer_of_different_shapes_is_one_error_on_every_rank_naming_it(ranks):
+    fast, slow = ranks["lightning.pytorch", "persistent_masks"]
     assert fast["error"] == slow["error"]
     assert fast["error"].startswith("ValueError: The ranks hold tensors of different shapes")
     for buffer, shape in (("attention_mask", "(8, 8)"), ("relative_index", "(8,)")):
@@ -108,3 +110,24 @@ def test_every_registered_name_is_registered_in_pytorch_lightning_too():
         assert theirs.__module__.startswith("lightning_oscars.pytorch_lightning.")
         assert issubclass(theirs, pytorch_lightning.strategies.DDPStrategy)
         assert StrategyRegistry[name]["init_params"] == standalone[name]["init_params"]
+
+
+@pytest.mark.multiprocess
+def test_a_callback_that_serves_the_module_from_rank_zero_sees_it_as_the_user_wrote_it(ranks):
+    """As ``ServableModuleValidator``: rank 0 alone pickles the module into a spawned process at training start and
+    end (the fit's patched ``all_gather`` travels as the module's own method), while rank 1 trains on."""
+    pair = ranks["lightning.pytorch", "servable"]
+    _assert_identical_and_every_sample_once(pair)
+    served = pair[0]["served"]
+    assert len(served) == 2 and pair[1]["served"] == []
+    for there, here in served:
+        assert there == here  # the process ran the same model
+
+
+@pytest.mark.multiprocess
+def test_a_failed_draw_on_rank_zero_is_every_ranks_error_at_once(ranks):
+    fast, slow = ranks["pytorch_lightning", "draw_fails"]
+    assert fast["error"] == "ValueError: this sampler cannot draw epoch 1"
+    assert slow["error"].startswith("EpochDrawError: Rank 0 failed to draw the order of training epoch 1")
+    assert fast["error"].split(": ", 1)[1] in slow["error"]
+    assert abs(fast["failed_at"] - slow["failed_at"]) < 5.0  # not when rank 0's process exits

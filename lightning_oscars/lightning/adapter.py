@@ -26,7 +26,7 @@ from lightning_oscars.core.epoch_shape import EpochShape
 from lightning_oscars.lightning import _internals as internals
 from lightning_oscars.lightning.epoch_patch import EpochLength
 from lightning_oscars.lightning.optimization_patch import NoopSlots
-from lightning_oscars.lightning.patches import Patches
+from lightning_oscars.lightning.patches import MethodPatch, Patches
 from lightning_oscars.lightning.signal_patch import DeferredSignals
 from lightning_oscars.lightning.tuner_patch import LRFinderSlots
 
@@ -62,8 +62,9 @@ class LightningAdapter:
         self.signals.defer_process_watch(self._patches, grace_s)
 
     def patch(self, owner: object, name: str, replacement: Any) -> None:
-        """Replace ``owner.name`` with ``replacement`` until :meth:`remove` (the session's patches of user objects)."""
-        self._patches.replace(owner, name, replacement)
+        """Replace the method ``owner.name`` with ``replacement`` until :meth:`remove` (the session's patches of user
+        objects; a copy or pickle of ``owner`` gets its own method back, see ``MethodPatch``)."""
+        self._patches.replace(owner, name, MethodPatch(replacement, owner, name))
 
     def remove(self, keep_zombie_guard: bool = False) -> None:
         """Put back everything :meth:`install` and :meth:`defer_zombie_guard` changed (a handler someone replaced since

@@ -9,7 +9,28 @@ from typing import Any
 
 Handler = Callable[[int, Any], Any]
 
-__all__ = ["Handler", "Patches"]
+__all__ = ["Handler", "MethodPatch", "Patches"]
+
+
+def _own_method(owner: object, name: str) -> Any:
+    """``owner``'s class's own method ``name``, bound to ``owner``."""
+    return getattr(type(owner), name).__get__(owner)
+
+
+class MethodPatch:
+    """A fit's replacement of a method of the user's object (the module's ``all_gather``): called as the method; copied
+    or pickled as the object's own method. The fit's state does not travel with a copy of the object: a callback that
+    pickles the module into a server process (``ServableModuleValidator`` under a spawn start method), or deep-copies
+    it (an EMA), gets the module as the user wrote it."""
+
+    def __init__(self, replacement: Callable[..., Any], owner: object, name: str) -> None:
+        self.replacement, self.owner, self.name = replacement, owner, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.replacement(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _own_method, (self.owner, self.name)
 
 
 class Patches:

@@ -43,6 +43,7 @@ from lightning_oscars.lightning import _internals as internals
 from lightning_oscars.lightning.adapter import LightningAdapter
 from lightning_oscars.lightning.agreement import MetricAgreement
 from lightning_oscars.lightning.callbacks import append_round_callbacks, insert_round_callbacks, without_callbacks
+from lightning_oscars.lightning.epoch_draw import shared_epoch_order
 from lightning_oscars.lightning.fit_failures import FitFailures
 from lightning_oscars.lightning.loader_patch import UserBatching
 from lightning_oscars.lightning.recovery import RECOVERY_GRACE_S, FitRecovery
@@ -246,11 +247,8 @@ class FitSession:
             internals.lift_batch_limit(trainer)
         plan = self.rounds.plan_epoch(epoch, units, loader.max_slots, shape.boundaries)
         order = self.recovery.order_for(epoch) if self.recovery is not None else None
-        if order is None and loader.order.shared:
-            # A custom sampler's draw depends on its random state, which differs between ranks: rank 0 draws the
-            # epoch and every rank partitions that same draw (one collective per epoch, at its start, on all ranks).
-            mine = loader.order.draw(epoch) if self.strategy.global_rank == 0 else None
-            order = self.strategy.broadcast(mine, src=0)
+        if order is None and loader.order.shared:  # rank 0 draws, or every rank raises its failure
+            order = shared_epoch_order(self.strategy, loader.order, epoch)
         loader.start_epoch(plan, epoch, order, start_position=resume_at)
         self.adapter.start_epoch()
         self.adapter.size_epoch(trainer, plan.total_slots * loader.batches_per_slot)
