@@ -89,6 +89,22 @@ class BatchesOfShard(DistributedSampler):
         return -(-self.num_samples // self.batch_size)
 
 
+class ZipLoader(DataLoader):
+    """A loader subclass over two loaders whose own ``__iter__`` zips them (semi-supervised loaders of single-cell
+    tools: a labelled and an unlabelled batch per step), both shuffled from torch's global generator."""
+
+    def __init__(self) -> None:
+        self.labelled = DataLoader(Ids(), batch_size=5, shuffle=True)
+        self.unlabelled = DataLoader(Ids(), batch_size=5, shuffle=True)
+        super().__init__(self.labelled)  # its dataset is a loader, as such libraries build it
+
+    def __iter__(self):
+        return zip(self.labelled, self.unlabelled)
+
+    def __len__(self) -> int:
+        return len(self.labelled)
+
+
 class FailsAtEpoch1(Sampler):
     """A custom sampler that cannot draw the second epoch (only rank 0 draws a custom sampler's epoch)."""
 
@@ -163,6 +179,13 @@ class Model(pl.LightningModule):
         self.trained.append([])
 
     def training_step(self, batch, batch_idx):
+        if self.loader == "zip":  # the labelled half is trained and counted; the unlabelled one only passes through
+            (x, y), (unlabelled, _) = batch
+            extra = 0.0 * self(unlabelled).sum() if len(unlabelled) else 0.0
+            if len(y):
+                self.trained[-1] += x[:, 0].long().tolist()
+                self.steps_taken += 1
+            return nn.functional.cross_entropy(self(x), y) + extra
         x, y = batch
         if len(y):
             self.trained[-1] += x[:, 0].long().tolist()
@@ -182,6 +205,8 @@ class Model(pl.LightningModule):
             world, rank = self.trainer.world_size, self.trainer.global_rank
             sampler = BatchesOfShard(data, 5, num_replicas=world, rank=rank, shuffle=True, seed=1)
             return DataLoader(data, batch_size=None, sampler=sampler)
+        if self.loader == "zip":
+            return ZipLoader()
         if self.loader == "draw_fails":
             return DataLoader(data, batch_size=8, sampler=FailsAtEpoch1(N))
         return DataLoader(data, batch_size=8, shuffle=True)
@@ -206,7 +231,7 @@ class MaskedAttention(Model):
 
 
 def build(case: str) -> pl.LightningModule:
-    if case in ("plain", "buckets", "batch_none", "dist_subclass", "draw_fails", "servable"):
+    if case in ("plain", "buckets", "batch_none", "dist_subclass", "zip", "draw_fails", "servable"):
         return Model(loader=case)
     if case == "masks":
         return MaskedAttention()

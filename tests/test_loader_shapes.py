@@ -77,7 +77,8 @@ def _epoch(user: DataLoader, rank: int, epoch: int = 0) -> list[list[int]]:
     for _ in range(len(loader)):
         batch = next(iterator)
         if loader.take_slot().real:
-            trained.append(torch.as_tensor(batch).reshape(-1).tolist())
+            parts = batch if isinstance(batch, tuple) else (batch,)
+            trained.append(torch.cat([torch.as_tensor(p).reshape(-1) for p in parts]).tolist())
     loader.close()
     return trained
 
@@ -145,3 +146,34 @@ def test_options_that_would_resize_or_split_the_users_batches_are_refused_by_nam
     kwargs = {"batch_sizes": [4, 4]} if option == "batch_sizes" else {"replica_size": 2}
     with pytest.raises(ValueError, match=f"{option}.*custom batch_sampler"):
         LoadBalancedLoader(user, rank=0, world_size=2, order=order, **kwargs)
+
+
+class ZipLoader(DataLoader):
+    """A loader over two loaders whose own ``__iter__`` zips them (semi-supervised loaders in single-cell tools): each
+    batch is one of each, both shuffled from torch's global generator."""
+
+    def __init__(self) -> None:
+        self.labelled = DataLoader(Rows(), batch_size=5, shuffle=True)
+        self.unlabelled = DataLoader(Rows(), batch_size=5, shuffle=True)
+        super().__init__(self.labelled)  # its dataset is a loader
+
+    def __iter__(self):
+        return zip(self.labelled, self.unlabelled)
+
+    def __len__(self) -> int:
+        return len(self.labelled)
+
+
+def test_a_loader_with_its_own_iteration_is_driven_alike_on_every_rank():
+    user = ZipLoader()
+    assert loader_shape(user) == "driven"
+    for epoch in (0, 1):
+        ranks = []
+        for rank in (0, 1):
+            torch.manual_seed(100 + rank)  # training's random state differs between the ranks: it must not matter
+            ranks.append(_epoch(ZipLoader(), rank, epoch))
+        fast, slow = ranks
+        assert len(fast) > len(slow) > 0 and len(fast) + len(slow) == 9
+        rows = [i for batch in fast + slow for i in batch]
+        assert sorted(rows) == sorted(list(range(45)) * 2)  # each loader's every sample once (both halves zipped)
+    assert [len(b) for b in _epoch(ZipLoader(), 0, 0)] == [10] * len(fast)  # the user's own batches

@@ -2,8 +2,8 @@
 ranks through Lightning's launcher, rank 1 three times slower and ``warmup_steps=1`` (``tests/loader_shapes_case.py``):
 
 * a length-bucketed ``batch_sampler``, ``batch_size=None`` over a ``BatchSampler``, a library's ``DistributedSampler``
-  subclass yielding batches: every rank ends with the same parameters and buffers, and every sample is trained once
-  per epoch;
+  subclass yielding batches, a loader subclass whose own ``__iter__`` zips two loaders: every rank ends with the
+  same parameters and buffers, and every sample is trained once per epoch;
 * a forecasting model's masks, non-persistent buffers rebuilt for each batch size: ranks hold masks of different
   shapes, the state dict is the same on both; the same masks made persistent: one error on every rank naming each
   buffer and each rank's shape (not a lost rank);
@@ -24,7 +24,7 @@ from subproc import ROOT, assert_clean_exit, clean_env, run_in_pairs
 import lightning_oscars
 
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
-LOADERS = ("buckets", "batch_none", "dist_subclass")
+LOADERS = ("buckets", "batch_none", "dist_subclass", "zip")
 OURS = sorted(
     name for name, entry in StrategyRegistry.items() if entry["strategy"].__module__.startswith("lightning_oscars.")
 )

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from lightning_oscars.core.driven import DrivenLoader
 from lightning_oscars.core.loader_shape import global_view, loader_shape, unit_source
 
 __all__ = ["EpochOrder", "training_set_size"]
@@ -98,8 +99,11 @@ class EpochOrder:
         """The order of a training ``dataloader`` as Lightning set it up: of its samples, or of its batches when it
         batches itself (``loader_shape.py``), its sampler read as the global order (``unwrap``: what takes Lightning's
         wrapper off)."""
-        if loader_shape(dataloader) == "samples":
+        shape = loader_shape(dataloader)
+        if shape == "samples":
             return cls.of(global_view(dataloader.sampler, unwrap), training_set_size(dataloader), seed)
+        if shape == "driven":  # its k-th batch, k in stream order (driven.py)
+            return cls("sequential", DrivenLoader(dataloader, 0).num_batches, _global_seed() if seed is None else seed)
         return cls.of_units(global_view(unit_source(dataloader), unwrap), seed)
 
     @classmethod

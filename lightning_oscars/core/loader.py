@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_oscars.core.deadline import DeadlinePacer
+from lightning_oscars.core.driven import DrivenLoader, batch_rows
 from lightning_oscars.core.epoch_order import EpochOrder, training_set_size
 from lightning_oscars.core.loader_shape import (
     UnitFeed,
@@ -118,10 +119,12 @@ class LoadBalancedLoader:
         member: int = 0,
         batch_sizes: Sequence[int] | None = None,
     ) -> None:
-        size = training_set_size(dataloader)
-        dataset = dataloader.dataset
         # The unit of the partition: a sample, or one of the user's batches kept whole (loader_shape.py).
         self.shape = loader_shape(dataloader)
+        driven = self.shape == "driven"
+        self._driven = DrivenLoader(dataloader, seed if order is None else order.seed) if driven else None
+        size = self._driven.num_batches if self._driven is not None else training_set_size(dataloader)
+        dataset = dataloader.dataset
         check_unit_loader(self.shape, batch_sizes, replica_size)
         if order is None:
             order = EpochOrder("permutation" if shuffle else "sequential", size, seed)
@@ -133,7 +136,7 @@ class LoadBalancedLoader:
             self.batch_size, self.widths = _plan_batches(batch_size, batch_sizes, world_size, replica_size)
             self.drop_last = bool(dataloader.drop_last)
         else:  # one of the plan's batches is one of the user's, which drops (or keeps) its own remainder
-            if order.kind != "units":
+            if order.kind != ("sequential" if self._driven is not None else "units"):
                 raise ValueError(f"a loader of the user's batches needs their order, not a {order.kind!r} one")
             self.batch_size, self.widths, self.drop_last = 1, None, False
         self.num_samples = order.num_samples
@@ -250,6 +253,8 @@ class LoadBalancedLoader:
             raise ValueError(f"an epoch order of {len(self._order)} samples for a loader of {self.num_samples}")
         self._order_epoch = epoch
         self.start_position = start_position
+        if self._driven is not None:
+            self._driven.start_epoch(epoch)
 
     def epoch_order(self, epoch: int) -> list[int]:
         if self._order is None or self._order_epoch != epoch:
@@ -259,11 +264,15 @@ class LoadBalancedLoader:
     def fetch(self, batches: Sequence[Sequence[Any]]) -> Iterator[Any]:
         """(Re)start the inner loader on ``batches`` (each the units of one batch: sample indices, or the user's
         batches); the same worker processes when persistent."""
+        if self._driven is not None:
+            return self._driven.fetch([units[0] for units in batches])
         self._feed.batches = feed_batches(batches, self.shape)
         return iter(self._inner_loader)
 
     def fetch_one(self, indices: Sequence[Any]) -> Any:
         """One batch outside the epoch's stream, in this process (no worker start-up for a single batch)."""
+        if self._driven is not None:
+            return self._driven.batch_at(indices[0])
         kwargs = {k: v for k, v in self._loader_kwargs.items() if k in ("collate_fn", "pin_memory")}
         return next(iter(inner_loader(self.dataset, feed_batches([indices], self.shape), self.shape, kwargs)))
 
@@ -280,6 +289,8 @@ class LoadBalancedLoader:
         if iterator is not None:
             iterator.close()
         self._slots.clear()
+        if self._driven is not None:
+            self._driven.close()
         # Persistent workers live as long as their DataLoader: a fresh one (no worker until iterated) lets them go.
         self._inner_loader = inner_loader(self.dataset, self._feed, self.shape, self._loader_kwargs)
 
@@ -361,6 +372,8 @@ class _EpochIterator:
             indices = self._indices(batch)
             item, seconds = self._real_batch(indices)
             samples = len(indices) if owner.shape == "samples" else sum(unit_samples(u) for u in indices)
+            if owner.shape == "driven":
+                samples = batch_rows(item)
             info = SlotInfo(True, samples, seconds, round_slot)
             self.last_batch = item
         self.position += 1

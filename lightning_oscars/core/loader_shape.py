@@ -8,6 +8,8 @@ The load-balanced loader (``loader.py``) splits an epoch between ranks unit by u
   the user's batches, an index list, fetched sample by sample and collated as the user's loader would.
 * ``"items"``: ``batch_size=None``, so that each item its sampler yields is fetched whole (``dataset[item]``, the
   sampler often a ``BatchSampler`` yielding index lists, as single-cell and tabular libraries do). The unit is an item.
+* ``"driven"``: a ``DataLoader`` subclass with its own ``__iter__``, or a loader over a loader: driven as written,
+  every rank iterating it alike (``driven.py``). The unit is the loader's ``k``-th batch.
 
 Under the last two every batch the user's sampler yields is trained once per epoch, in its order; a batch is not
 split, so per-rank batch sizes and replica groups do not apply. A sampler that is a ``DistributedSampler`` subclass
@@ -24,6 +26,8 @@ from typing import Any, Literal
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
+from lightning_oscars.core.driven import is_driven
+
 __all__ = [
     "LoaderShape",
     "UnitFeed",
@@ -37,7 +41,7 @@ __all__ = [
     "unit_source",
 ]
 
-LoaderShape = Literal["samples", "batch_sampler", "items"]
+LoaderShape = Literal["samples", "batch_sampler", "items", "driven"]
 
 # DataLoader arguments carried over from the user's loader to the inner one.
 _CARRIED = (
@@ -66,6 +70,8 @@ def inner_loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
 
 def loader_shape(dataloader: DataLoader) -> LoaderShape:
     """Which of the module docstring's shapes ``dataloader`` is."""
+    if is_driven(dataloader):
+        return "driven"
     if dataloader.batch_size is not None:
         return "samples"
     return "batch_sampler" if dataloader.batch_sampler is not None else "items"
@@ -146,7 +152,11 @@ def check_unit_loader(shape: LoaderShape, batch_sizes: Sequence[int] | None, rep
     """A clear error where an option needs to resize or split the user's batches, which this shape keeps whole."""
     if shape == "samples":
         return
-    what = "a custom batch_sampler" if shape == "batch_sampler" else "batch_size=None (its sampler yields batches)"
+    what = {
+        "batch_sampler": "a custom batch_sampler",
+        "items": "batch_size=None (its sampler yields batches)",
+        "driven": "its own iteration (a DataLoader subclass overriding __iter__)",
+    }[shape]
     if batch_sizes is not None:
         raise ValueError(
             f"batch_sizes cannot apply to the training DataLoader: it has {what}, whose batches oscars trains whole"
