@@ -335,8 +335,9 @@ class FitSession:
         started = time.perf_counter()
         try:
             tensors = self._synchronized_tensors(trainer)
-            # Tensors whose shapes differ between ranks cannot meet in one buffer: every rank learns it here.
-            mismatch = layout_mismatch(tensors, device)
+            # Tensors whose shapes differ between ranks cannot meet in one buffer: every rank learns it here (a
+            # scheme whose ranks wait for each other inside a round may not be met by a collective of every rank).
+            mismatch = None if self.scheme.waits_within_rounds else layout_mismatch(tensors, device)
             if mismatch is not None:
                 raise _LayoutMismatch(describe_mismatch(mismatch, tensor_namer(self.strategy, trainer, tensors)))
             control = mine.encode(n)
