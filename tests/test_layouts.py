@@ -1,5 +1,6 @@
-"""The round's layout check (``dist/layouts.py``) and what a fit's patch of a user's method leaves in a copy
-(``lightning/patches.py``), in-process; the multi-process behaviour is in ``test_loader_shapes_multiprocess.py``."""
+"""The round's layout check (``lightning/round_tensors.py``, ``dist/layouts.py``) and what a fit's patch of a user's
+method leaves in a copy (``lightning/patches.py``), in-process; the multi-process behaviour is in
+``test_loader_shapes_multiprocess.py``."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from torch import nn
 
 from lightning_oscars.core._nn_state import persistent_buffers
 from lightning_oscars.dist.averaging import averaged_tensors
-from lightning_oscars.dist.layouts import describe_mismatch, layout_fingerprint
+from lightning_oscars.dist.layouts import describe_mismatch
 from lightning_oscars.lightning.patches import MethodPatch, Patches
+from lightning_oscars.lightning.round_tensors import RoundLayout
 
 
 class Masked(nn.Module):
@@ -33,10 +35,18 @@ def test_only_persistent_buffers_are_averaged():
     assert not any(t is module.mask for t in averaged_tensors(module))
 
 
-def test_the_fingerprint_tells_shapes_apart_and_is_equal_for_equal_shapes():
-    assert layout_fingerprint([(8, 8), (8,)]) == layout_fingerprint([(8, 8), (8,)])
-    assert layout_fingerprint([(8, 8)]) != layout_fingerprint([(5, 5)])
-    assert layout_fingerprint([(2, 3)]) != layout_fingerprint([(3, 2)])  # same elements, other shape
+def test_a_rank_whose_shapes_changed_sends_zeros_of_the_agreed_ones_and_a_flag():
+    model = [torch.ones(3), torch.ones(8, 8)]
+    layout = RoundLayout(sharded=False)
+    layout.record(model)
+    rest = [torch.ones(2)]  # optimizer state: not checked
+    sent, flag = layout.to_send(model + rest, 2, torch.device("cpu"))
+    assert flag == 0.0 and all(a is b for a, b in zip(sent, model + rest))  # unchanged: the tensors themselves
+    changed = [torch.ones(3), torch.ones(5, 5)]
+    sent, flag = layout.to_send(changed + rest, 2, torch.device("cpu"))
+    assert flag == 1.0 and [tuple(t.shape) for t in sent] == [(3,), (8, 8), (2,)]  # the buffer keeps its length
+    assert float(sent[1].abs().sum()) == 0.0 and sent[2] is rest[0]
+    assert RoundLayout(sharded=True).to_send(changed, 2, torch.device("cpu"))[1] == 0.0  # shards: not checked
 
 
 def test_the_mismatch_names_each_differing_tensor_and_each_ranks_shape():

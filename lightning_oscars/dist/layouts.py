@@ -1,10 +1,11 @@
-"""Every rank averages tensors of the same shapes, or every rank learns which differ, before the round's all-reduce.
+"""Tensors whose shapes differ between ranks, named on every rank (``lightning/round_tensors.py`` uses these).
 
 A round's one collective packs the model into a flat buffer; ranks whose buffers differ in length cannot meet in it
 (gloo raises a size error on one rank while the others wait; NCCL may hang or add unrelated elements). A module that
-keeps a persistent buffer shaped by its last batch is the usual cause. :func:`layout_mismatch` compares a fingerprint
-of the shapes in one small all-reduce, the same on every rank, and only when they differ gathers each rank's shapes,
-so that every rank raises the same error naming the tensor and each rank's shape.
+keeps a persistent buffer shaped by its last batch is the usual cause. A rank whose model no longer has the shapes
+the ranks last agreed on sends zeros of those shapes instead, with a flag in the round's control data; when any rank
+flagged, every rank gathers every rank's shapes (:func:`gather_shapes`) and raises the same error
+(:func:`describe_mismatch`), or, where all changed alike, takes the new shapes as agreed.
 """
 
 from __future__ import annotations
@@ -15,38 +16,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["describe_mismatch", "layout_fingerprint", "layout_mismatch"]
+__all__ = ["Layout", "describe_mismatch", "gather_shapes", "layout_of"]
 
 Shapes = list[tuple[int, ...]]
-# The fingerprint's hash is kept exact in a float64 (53-bit mantissa).
-_HASH_MODULUS = 2**50
+Layout = list[tuple[tuple[int, ...], torch.dtype]]
 
 
-def layout_fingerprint(shapes: Sequence[tuple[int, ...]]) -> list[float]:
-    """Three numbers equal on ranks whose tensors have equal shapes: their count, total elements and a hash."""
-    # hash() of a tuple of ints is the same in every process (only str and bytes hashes are salted).
-    return [float(len(shapes)), float(sum(_numel(s) for s in shapes)), float(hash(tuple(shapes)) % _HASH_MODULUS)]
+def layout_of(tensors: Sequence[Tensor]) -> Layout:
+    return [(tuple(t.shape), t.dtype) for t in tensors]
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-def layout_mismatch(
-    tensors: Sequence[Tensor], device: torch.device, group: dist.ProcessGroup | None = None
-) -> list[Shapes] | None:
-    """``None`` when every rank of ``group`` holds tensors of the same shapes; else every rank's shapes, by rank.
-    Collective: every rank of ``group`` calls it (one 6-element all-reduce; a gather only on a mismatch)."""
-    shapes = [tuple(t.shape) for t in tensors]
-    mine = layout_fingerprint(shapes)
-    packed = torch.tensor(mine + [-v for v in mine], dtype=torch.float64, device=device)
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    values = packed.tolist()
-    if values[:3] == [-v for v in values[3:]]:
-        return None
+def gather_shapes(shapes: Shapes, group: dist.ProcessGroup | None = None) -> list[Shapes]:
+    """Every rank's ``shapes``, by rank (collective: every rank of ``group``)."""
     gathered: list[Shapes | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, shapes, group=group)
     return [list(s or []) for s in gathered]

@@ -35,7 +35,6 @@ from lightning_oscars.core.control import ControlData
 from lightning_oscars.core.loader import EpochOrder, LoadBalancedLoader
 from lightning_oscars.core.rounds import RoundController
 from lightning_oscars.core.slots import ends_slot
-from lightning_oscars.dist.layouts import describe_mismatch, layout_mismatch
 from lightning_oscars.dist.local_state import LocalState
 from lightning_oscars.dist.schemes import RoundMeeting, SyncScheme
 from lightning_oscars.dist.sharding import reshard_gathered
@@ -47,7 +46,7 @@ from lightning_oscars.lightning.epoch_draw import shared_epoch_order
 from lightning_oscars.lightning.fit_failures import FitFailures
 from lightning_oscars.lightning.loader_patch import UserBatching
 from lightning_oscars.lightning.recovery import RECOVERY_GRACE_S, FitRecovery
-from lightning_oscars.lightning.round_tensors import round_tensors, tensor_namer
+from lightning_oscars.lightning.round_tensors import RoundLayout, model_tensors, round_tensors
 
 __all__ = ["FitSession"]
 
@@ -94,6 +93,7 @@ class FitSession:
         self.recovery = recovery
         self.adapter = LightningAdapter(self.slot_is_real, strategy.root_device)
         self.user_batching = UserBatching()
+        self.layout = RoundLayout(sharded=getattr(strategy, "shard_group", None) is not None)
         self.loader: LoadBalancedLoader | None = None
         self.agreement = MetricAgreement(strategy)
         self.ended = False
@@ -193,6 +193,7 @@ class FitSession:
         module = self.strategy.lightning_module
         assert module is not None
         self.local_state = LocalState(module, getattr(self.strategy, "shard_group", None))
+        self.layout.record(model_tensors(self.strategy, trainer))  # every rank holds rank 0's model now
         gather = getattr(self.strategy, "module_all_gather", None)
         if gather is not None:  # lists of different lengths (what each rank trained) can be gathered
             self.adapter.patch(module, "all_gather", gather(module.all_gather))
@@ -334,28 +335,25 @@ class FitSession:
             torch.cuda.synchronize(device)
         started = time.perf_counter()
         try:
-            tensors = self._synchronized_tensors(trainer)
-            # Tensors whose shapes differ between ranks cannot meet in one buffer: every rank learns it here (a
-            # scheme whose ranks wait for each other inside a round may not be met by a collective of every rank).
-            mismatch = None if self.scheme.waits_within_rounds else layout_mismatch(tensors, device)
-            if mismatch is not None:
-                raise _LayoutMismatch(describe_mismatch(mismatch, tensor_namer(self.strategy, trainer, tensors)))
+            tensors, model = self._synchronized_tensors(trainer), len(model_tensors(self.strategy, trainer))
+            sent, flag = self.layout.to_send(tensors, model, device)  # zeros and a flag if its shapes changed
             control = mine.encode(n)
             # The local state's entries ride behind the round's control data, in the same collective.
             # Checkpoint and early-stopping scores are agreed by every rank at each decision: nothing to average.
             callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, (Checkpoint, EarlyStopping))]  # type: ignore[attr-defined]
             tail = self.local_state.control_tail(callbacks) if self.local_state is not None else []
-            meeting = RoundMeeting([*control, *tail], ControlData.weight_index(n), self._sum_control, device)
+            meeting = RoundMeeting([*control, *tail, flag], ControlData.weight_index(n), self._sum_control, device)
             # Where nothing needs the models equal right after, a scheme may let the combination arrive late.
             late = next_slot is not None and rounds.may_combine_late(next_slot)
-            (self.scheme.combine_late if late else self.scheme.combine)(tensors, meeting)
-            summed = meeting.summed()[: len(control)]
+            (self.scheme.combine_late if late else self.scheme.combine)(sent, meeting)
+            *summed_all, flags = meeting.summed()
+            summed = summed_all[: len(control)]
             if self.local_state is not None:
-                self.local_state.settle(meeting.summed()[len(control) :], device)
-        except _LayoutMismatch as error:  # the same on every rank, and no rank is lost
-            raise ValueError(str(error)) from None
+                self.local_state.settle(summed_all[len(control) :], device)
         except Exception as error:  # a peer died, raised or hung past the timeout: name it, save, then stop
             raise RuntimeError(self.failures.named(error) + self.failures.save(trainer, self.loader)) from error
+        # A rank whose shapes changed: every rank raises the same error naming them (no rank is lost).
+        self.layout.settle(flags, tensors, model, self.strategy, trainer)
         if self.recovery is not None:
             self.recovery.averaged()
         outcome = rounds.absorb(
@@ -390,6 +388,3 @@ class FitSession:
         """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""
         self.failures.report(error, self.loader)
 
-
-class _LayoutMismatch(Exception):
-    """Every rank found the ranks' tensors differ in shape (not a failure of any rank)."""
