@@ -162,6 +162,22 @@ class ServesOnRankZero(pl.Callback):
         self._serve(trainer, pl_module)
 
 
+def _combined_loader(case: str) -> Any:
+    """Multi-task training: a dict (or list) of training loaders of different lengths, in one of CombinedLoader's
+    modes: ``a`` has 6 batches an epoch, ``b`` 4 (its sample ids start at 1000)."""
+    a = DataLoader(Ids(), batch_size=8, shuffle=True)
+    second = Ids(20)
+    second.x[:, 0] += 1000
+    b = DataLoader(second, batch_size=5, shuffle=True)
+    kind, mode = case.split("_", 1)
+    loaders: Any = {"a": a, "b": b} if kind == "dict" else [a, b]
+    if mode == "max_size_cycle":  # Lightning's default for training
+        return loaders
+    from importlib import import_module
+
+    return import_module(f"{NAMESPACE}.utilities").CombinedLoader(loaders, mode)
+
+
 class Model(pl.LightningModule):
     """An MLP with BatchNorm that records the sample ids it trained, epoch by epoch."""
 
@@ -179,6 +195,15 @@ class Model(pl.LightningModule):
         self.trained.append([])
 
     def training_step(self, batch, batch_idx):
+        if self.loader.startswith(("dict_", "list_")):  # one batch of each loader (None: one past its end)
+            parts = [p for p in (batch.values() if isinstance(batch, dict) else batch) if p is not None]
+            loss = 0.0
+            for x, y in parts:
+                if len(y):
+                    self.trained[-1] += x[:, 0].long().tolist()
+                    loss = loss + nn.functional.cross_entropy(self(x), y)
+            self.steps_taken += int(any(len(y) for _, y in parts))
+            return loss if isinstance(loss, torch.Tensor) else sum(self(x).sum() * 0 for x, _ in parts)
         if self.loader == "zip":  # the labelled half is trained and counted; the unlabelled one only passes through
             (x, y), (unlabelled, _) = batch
             extra = 0.0 * self(unlabelled).sum() if len(unlabelled) else 0.0
@@ -207,6 +232,8 @@ class Model(pl.LightningModule):
             return DataLoader(data, batch_size=None, sampler=sampler)
         if self.loader == "zip":
             return ZipLoader()
+        if self.loader.startswith(("dict_", "list_")):
+            return _combined_loader(self.loader)
         if self.loader == "draw_fails":
             return DataLoader(data, batch_size=8, sampler=FailsAtEpoch1(N))
         return DataLoader(data, batch_size=8, shuffle=True)
@@ -231,7 +258,9 @@ class MaskedAttention(Model):
 
 
 def build(case: str) -> pl.LightningModule:
-    if case in ("plain", "buckets", "batch_none", "dist_subclass", "zip", "draw_fails", "servable"):
+    if case in ("plain", "buckets", "batch_none", "dist_subclass", "zip", "draw_fails", "servable") or case.startswith(
+        ("dict_", "list_")
+    ):
         return Model(loader=case)
     if case == "masks":
         return MaskedAttention()

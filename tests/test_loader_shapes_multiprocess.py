@@ -9,6 +9,7 @@ ranks through Lightning's launcher, rank 1 three times slower and ``warmup_steps
   buffer and each rank's shape (not a lost rank);
 * under ``pytorch_lightning``: every registered strategy name, and an ``OscarsStrategy`` made from ``lightning_oscars``
   (bound to ``lightning.pytorch``) handed to a ``pytorch_lightning.Trainer``;
+* a dict or list of training loaders in ``CombinedLoader``'s modes (``sequential`` refused by name);
 * a callback that pickles the module into a spawned process from rank 0 (``ServableModuleValidator``); a custom
   sampler whose draw fails on rank 0: the same failure on every rank, at once."""
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 
 import pytest
 from lightning.pytorch.strategies import StrategyRegistry
@@ -24,6 +26,7 @@ from subproc import ROOT, assert_clean_exit, clean_env, run_in_pairs
 import lightning_oscars
 
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+COMBINED = ("dict_max_size_cycle", "dict_max_size", "dict_min_size", "list_max_size_cycle")
 LOADERS = ("buckets", "batch_none", "dist_subclass", "zip")
 OURS = sorted(
     name for name, entry in StrategyRegistry.items() if entry["strategy"].__module__.startswith("lightning_oscars.")
@@ -36,7 +39,7 @@ SAMPLES = 45
 def _cases(namespace: str) -> list[str]:
     if namespace == "pytorch_lightning":
         return [*LOADERS, "masks", "object_of_lightning", *NAMES, "draw_fails"]  # the failing fit last
-    return [*LOADERS, "masks", "servable", "persistent_masks"]
+    return [*LOADERS, "masks", "servable", *COMBINED, "dict_sequential", "persistent_masks"]
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +134,35 @@ def test_a_failed_draw_on_rank_zero_is_every_ranks_error_at_once(ranks):
     assert slow["error"].startswith("EpochDrawError: Rank 0 failed to draw the order of training epoch 1")
     assert fast["error"].split(": ", 1)[1] in slow["error"]
     assert abs(fast["failed_at"] - slow["failed_at"]) < 5.0  # not when rank 0's process exits
+
+
+def _per_loader(pair: list[dict], epoch: int) -> tuple[Counter, Counter]:
+    """How often each sample of loader ``a`` (ids below 1000) and ``b`` was trained in ``epoch``, by both ranks."""
+    ids = pair[0]["trained"][epoch] + pair[1]["trained"][epoch]
+    return Counter(i for i in ids if i < 1000), Counter(i for i in ids if i >= 1000)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", COMBINED)
+def test_several_training_loaders_train_as_their_combined_mode_says_with_identical_ranks(ranks, case):
+    """``a``: 45 samples in 6 batches of 8; ``b``: 20 samples in 4 batches of 5 (``tests/loader_shapes_case.py``)."""
+    pair = ranks["lightning.pytorch", case]
+    fast, slow = pair
+    assert "error" not in fast and "error" not in slow, (fast.get("traceback"), slow.get("traceback"))
+    assert fast["state"] == slow["state"] and fast["steps"] > slow["steps"]
+    for epoch in range(3):
+        a, b = _per_loader(pair, epoch)
+        if case.endswith("min_size"):  # the shortest leads: b's 4 batches, a's first 4 (32 samples), each once
+            assert sorted(b) == list(range(1000, 1020)) and max(b.values()) == 1
+            assert len(a) == 32 and max(a.values()) == 1
+            continue
+        assert sorted(a) == list(range(45)) and max(a.values()) == 1  # the longest leads: every sample once
+        assert sorted(b) == list(range(1000, 1020))
+        # "max_size_cycle": b cycles (its first 2 batches again: 30 samples); "max_size": b once, then nothing.
+        assert sum(b.values()) == (30 if case.endswith("max_size_cycle") else 20)
+
+
+@pytest.mark.multiprocess
+def test_sequential_training_loaders_are_refused_on_every_rank_naming_the_mode(ranks):
+    fast, slow = ranks["lightning.pytorch", "dict_sequential"]
+    assert fast["error"] == slow["error"] and "mode 'sequential'" in fast["error"]

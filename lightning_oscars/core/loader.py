@@ -29,13 +29,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_oscars.core.combined import empty_batch, plan_batches
 from lightning_oscars.core.deadline import DeadlinePacer
 from lightning_oscars.core.driven import DrivenLoader, batch_rows
 from lightning_oscars.core.epoch_order import EpochOrder, training_set_size
@@ -64,23 +63,6 @@ __all__ = [
     "inner_loader_kwargs",
     "training_set_size",
 ]  # EpochOrder: see epoch_order.py
-
-def _plan_batches(
-    batch_size: int, batch_sizes: Sequence[int] | None, world_size: int, replica_size: int
-) -> tuple[int, tuple[int, ...] | None]:
-    """The samples per rank of one of the plan's batches, and each replica's batch in them (``None``: one)."""
-    if batch_sizes is None:
-        return batch_size, None
-    if len(batch_sizes) != world_size:
-        raise ValueError(f"batch sizes {list(batch_sizes)} for {world_size} replicas of {replica_size} ranks")
-    block, widths = block_widths(batch_sizes)
-    return block, widths if any(w != 1 for w in widths) else None
-
-
-def empty_batch(batch: Any) -> Any:
-    """``batch`` with every tensor of at least one dimension cut to zero rows (a no-op slot's batch)."""
-    return apply_to_collection(batch, Tensor, lambda t: t[:0] if t.dim() > 0 else t)
-
 
 class EpochSampler:
     """Holds the epoch number for Lightning's ``set_epoch`` call."""
@@ -133,7 +115,7 @@ class LoadBalancedLoader:
         if self.shape == "samples":
             # With per-rank batch sizes the plan's batches are blocks, ``widths[rank]`` of them per batch of a rank.
             batch_size = int(dataloader.batch_size)  # type: ignore[arg-type]
-            self.batch_size, self.widths = _plan_batches(batch_size, batch_sizes, world_size, replica_size)
+            self.batch_size, self.widths = plan_batches(batch_size, batch_sizes, world_size, replica_size)
             self.drop_last = bool(dataloader.drop_last)
         else:  # one of the plan's batches is one of the user's, which drops (or keeps) its own remainder
             if order.kind != ("sequential" if self._driven is not None else "units"):
@@ -168,6 +150,9 @@ class LoadBalancedLoader:
         self._slots: deque[SlotInfo] = deque()
         self._running = SlotInfo(False, 0)  # the slot taken last: the one Lightning runs now
         self._iterator: _EpochIterator | None = None  # the epoch being fetched
+        # Another loader of a combined step that decides this one's slots, and this one's batch for its (combined.py).
+        self.lead: LoadBalancedLoader | None = None
+        self.follow: Callable[[int], int | None] = lambda b: b
 
     def set_batches_per_slot(self, batches_per_slot: int) -> None:
         """Units of ``batches_per_slot`` batches (``accumulate_grad_batches``, which a callback may change
@@ -280,6 +265,11 @@ class LoadBalancedLoader:
         self._iterator = _EpochIterator(self)
         return self._iterator
 
+    def decision_at(self, position: int) -> tuple[Blocks | None, int]:
+        """This (lead) loader's decision for Lightning batch ``position`` of the epoch being fetched."""
+        assert self._iterator is not None, "the lead of a combined loader is iterated with its followers"
+        return self._iterator.decision(position)
+
     def close(self) -> None:
         """Let go of the epoch being fetched and the inner loader's iterator, so that their worker processes exit now
         (the loader can be iterated again, with new workers). Left to
@@ -308,7 +298,9 @@ class _EpochIterator:
         self._inner: Iterator[Any] | None = None
         self._inner_version = -1
         self._fresh_inner = False
-        owner._slots.clear()
+        self._decided: dict[int, tuple[Blocks | None, int]] = {}
+        if owner.lead is None:
+            owner._slots.clear()
 
     def _indices(self, blocks: Blocks) -> list[int]:
         owner = self.owner
@@ -334,7 +326,7 @@ class _EpochIterator:
 
     def _real_batch(self, indices: list[int]) -> tuple[Any, float | None]:
         owner = self.owner
-        if owner.plan is None:
+        if owner.plan is None or owner.lead is not None:  # a follower fetches each of its batches when asked
             started = time.perf_counter()
             return owner.fetch_one(indices), time.perf_counter() - started
         if self._inner is None or self._inner_version != owner.plan.version or self.cursor.stale:
@@ -360,7 +352,14 @@ class _EpochIterator:
             self.position, owner.start_position = owner.start_position, 0
         if self.position >= len(owner):
             raise StopIteration
-        batch, round_slot = self.cursor.decide(self.position, sum(1 for info in owner._slots if info.real))
+        lead = owner.lead
+        batch, round_slot = self.decision(self.position) if lead is None else lead.decision_at(self.position)
+        if lead is not None and batch is not None:  # a follower: its own batches for the lead's (combined.py)
+            mapped = [owner.follow(b) for b in batch]
+            if any(b is None for b in mapped):  # past its end in "max_size": no batch, as under ddp
+                self.position += 1
+                return None
+            batch = tuple(b for b in mapped if b is not None)
         if batch is None:
             if self.last_batch is None:
                 # Only when resuming into a no-op slot: Lightning skips a None batch entirely (no step, no
@@ -377,5 +376,15 @@ class _EpochIterator:
             info = SlotInfo(True, samples, seconds, round_slot)
             self.last_batch = item
         self.position += 1
-        owner._slots.append(info)
+        if lead is None:  # the strategy takes the lead's slots; a follower's are the same
+            owner._slots.append(info)
         return item
+
+    def decision(self, position: int) -> tuple[Blocks | None, int]:
+        """The cursor's decision for ``position``, made once and kept for the followers that ask after it."""
+        decided = self._decided.get(position)
+        if decided is None:
+            owner = self.owner
+            decided = self._decided[position] = self.cursor.decide(position, sum(1 for i in owner._slots if i.real))
+            self._decided.pop(position - 2, None)
+        return decided

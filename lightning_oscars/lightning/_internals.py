@@ -191,6 +191,18 @@ def set_device_mesh(module: LightningModule, mesh: Any) -> None:
     module._device_mesh = mesh
 
 
+def training_loaders(trainer: Trainer) -> list[object]:
+    """The fit's training loaders, as the strategy prepared them (the combined loader's, flattened)."""
+    combined = trainer.fit_loop._combined_loader
+    return [] if combined is None else list(combined.flattened)
+
+
+def combined_mode(trainer: Trainer) -> str:
+    """How the fit's ``CombinedLoader`` steps through its loaders (``"max_size_cycle"`` unless the user chose)."""
+    combined = trainer.fit_loop._combined_loader
+    return "max_size_cycle" if combined is None else str(combined._mode)
+
+
 def training_loader_count(trainer: Trainer) -> int:
     """How many DataLoaders the fit trains on (Lightning's ``CombinedLoader`` of ``train_dataloader``)."""
     combined = trainer.fit_loop._combined_loader

@@ -42,6 +42,7 @@ from lightning_oscars.lightning import _internals as internals
 from lightning_oscars.lightning.adapter import LightningAdapter
 from lightning_oscars.lightning.agreement import MetricAgreement
 from lightning_oscars.lightning.callbacks import append_round_callbacks, insert_round_callbacks, without_callbacks
+from lightning_oscars.lightning.combined_loaders import lead_loader, start_followers
 from lightning_oscars.lightning.epoch_draw import shared_epoch_order
 from lightning_oscars.lightning.fit_failures import FitFailures
 from lightning_oscars.lightning.loader_patch import UserBatching
@@ -174,6 +175,13 @@ class FitSession:
         self.loader = loader
         self.rounds.forget_plan()
 
+    def _lead(self, trainer: Trainer) -> tuple[LoadBalancedLoader, list[LoadBalancedLoader]]:
+        assert self.loader is not None
+        lead, followers = lead_loader(trainer, self.loader)
+        if lead is not self.loader:
+            self.adopt_loader(lead)
+        return lead, followers
+
     def _bound_epoch(self, loader: LoadBalancedLoader, at_least: int = 0) -> None:
         """The loader's length: the most slots an epoch of these rounds can take (the only place it is set)."""
         loader.max_slots = max(self.rounds.epoch_slot_bound(loader.total_units), at_least)
@@ -197,7 +205,7 @@ class FitSession:
         gather = getattr(self.strategy, "module_all_gather", None)
         if gather is not None:  # lists of different lengths (what each rank trained) can be gathered
             self.adapter.patch(module, "all_gather", gather(module.all_gather))
-        loader = self.loader
+        loader = self._lead(trainer)[0] if self.loader is not None else None
         units = loader.units_within(trainer.limit_train_batches) if loader else None
         position = internals.resume_position(trainer)
         recovery = self.recovery if restored is not None and "recovery" in restored else None
@@ -229,13 +237,7 @@ class FitSession:
         if loader is None:
             return
         shape = self.adapter.read_epoch(trainer)  # Lightning's counters, read once: the core plans from the value
-        if shape.loaders > 1:  # every rank sees the same loaders: every rank raises here, before any collective
-            raise ValueError(
-                f"strategy={self.name!r} splits one training DataLoader by speed, but"
-                f" train_dataloader returned {shape.loaders} (Lightning combines them in a CombinedLoader); all but"
-                " one would go unplanned and lose their data. Combine the data sets into one DataLoader (for example"
-                " a Dataset whose items hold one sample of each), or use strategy='ddp'."
-            )
+        loader, followers = self._lead(trainer)  # several loaders combined: one leads the plan (the same everywhere)
         epoch = shape.epoch
         if shape.batches_per_slot != loader.batches_per_slot:
             # A GradientAccumulationScheduler changed the slot size: units, bounds and the plan follow.
@@ -251,6 +253,7 @@ class FitSession:
         if order is None and loader.order.shared:  # rank 0 draws, or every rank raises its failure
             order = shared_epoch_order(self.strategy, loader.order, epoch)
         loader.start_epoch(plan, epoch, order, start_position=resume_at)
+        start_followers(self.strategy, loader, followers, plan, epoch, resume_at)
         self.adapter.start_epoch()
         self.adapter.size_epoch(trainer, plan.total_slots * loader.batches_per_slot)
 
