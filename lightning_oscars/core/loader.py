@@ -112,15 +112,7 @@ class LoadBalancedLoader:
             order = EpochOrder("permutation" if shuffle else "sequential", size, seed)
         self.order = order
         self.dataset: Dataset = dataset
-        if self.shape == "samples":
-            # With per-rank batch sizes the plan's batches are blocks, ``widths[rank]`` of them per batch of a rank.
-            batch_size = int(dataloader.batch_size)  # type: ignore[arg-type]
-            self.batch_size, self.widths = plan_batches(batch_size, batch_sizes, world_size, replica_size)
-            self.drop_last = bool(dataloader.drop_last)
-        else:  # one of the plan's batches is one of the user's, which drops (or keeps) its own remainder
-            if order.kind != ("sequential" if self._driven is not None else "units"):
-                raise ValueError(f"a loader of the user's batches needs their order, not a {order.kind!r} one")
-            self.batch_size, self.widths, self.drop_last = 1, None, False
+        self._size_batches(dataloader, batch_sizes, world_size, replica_size)
         self.num_samples = order.num_samples
         if not 0 <= member < replica_size:
             raise ValueError(f"member {member} outside a replica of {replica_size} ranks")
@@ -153,6 +145,21 @@ class LoadBalancedLoader:
         # Another loader of a combined step that decides this one's slots, and this one's batch for its (combined.py).
         self.lead: LoadBalancedLoader | None = None
         self.follow: Callable[[int], int | None] = lambda b: b
+
+    def _size_batches(
+        self, dataloader: DataLoader, batch_sizes: Sequence[int] | None, world_size: int, replica_size: int
+    ) -> None:
+        """The samples of one of the plan's batches (``batch_size``), per-rank widths and ``drop_last``."""
+        if self.shape == "samples":
+            # With per-rank batch sizes the plan's batches are blocks, ``widths[rank]`` of them per batch of a rank.
+            batch_size = int(dataloader.batch_size)  # type: ignore[arg-type]
+            self.batch_size, self.widths = plan_batches(batch_size, batch_sizes, world_size, replica_size)
+            self.drop_last = bool(dataloader.drop_last)
+            return
+        # One of the plan's batches is one of the user's, which drops (or keeps) its own remainder.
+        if self.order.kind != ("sequential" if self._driven is not None else "units"):
+            raise ValueError(f"a loader of the user's batches needs their order, not a {self.order.kind!r} one")
+        self.batch_size, self.widths, self.drop_last = 1, None, False
 
     def set_batches_per_slot(self, batches_per_slot: int) -> None:
         """Units of ``batches_per_slot`` batches (``accumulate_grad_batches``, which a callback may change
