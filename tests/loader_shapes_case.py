@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
-from torch.utils.data.distributed import DistributedSampler
 
 torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).parent))
+from loader_shapes_data import BatchesOfShard, LengthBuckets  # noqa: E402
+
 NAMESPACE = sys.argv[1] if len(sys.argv) > 1 else "lightning.pytorch"
 pl: Any = importlib.import_module(NAMESPACE)
 oscars: Any = importlib.import_module(
@@ -47,46 +49,6 @@ class Ids(Dataset):
 
     def __getitem__(self, index):
         return self.x[index], self.y[index]
-
-
-class LengthBuckets(Sampler):
-    """Length-bucketed batches (speech and NLP code): samples of one bucket (``i % 3``) together, the batches'
-    order shuffled per epoch."""
-
-    def __init__(self, n: int, batch_size: int) -> None:
-        self.n, self.batch_size, self.epoch = n, batch_size, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def _batches(self) -> list[list[int]]:
-        size = self.batch_size
-        buckets = [[i for i in range(self.n) if i % 3 == b] for b in range(3)]
-        batches = [bucket[j : j + size] for bucket in buckets for j in range(0, len(bucket), size)]
-        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(self.epoch)).tolist()
-        return [batches[k] for k in order]
-
-    def __iter__(self):
-        return iter(self._batches())
-
-    def __len__(self) -> int:
-        return len(self._batches())
-
-
-class BatchesOfShard(DistributedSampler):
-    """A library's own ddp sampler (single-cell tools): this rank's shard of a shuffled order, in batches, used with
-    ``batch_size=None``."""
-
-    def __init__(self, dataset, batch_size: int, **kwargs) -> None:
-        super().__init__(dataset, **kwargs)
-        self.batch_size = batch_size
-
-    def __iter__(self):
-        indices = list(super().__iter__())
-        return iter([indices[i : i + self.batch_size] for i in range(0, len(indices), self.batch_size)])
-
-    def __len__(self) -> int:
-        return -(-self.num_samples // self.batch_size)
 
 
 class ZipLoader(DataLoader):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
-from torch.utils.data.distributed import DistributedSampler
+from loader_shapes_data import BatchesOfShard, LengthBuckets
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
 from lightning_oscars.core.epoch_order import EpochOrder
 from lightning_oscars.core.loader import LoadBalancedLoader
@@ -26,45 +26,6 @@ class Rows(Dataset):
 
     def __getitem__(self, index):
         return torch.as_tensor(index)
-
-
-class LengthBuckets(Sampler[list[int]]):
-    """Batches of samples of similar length (here: ``i % 3``), the buckets' order shuffled per epoch by seed."""
-
-    def __init__(self, n: int, batch_size: int, seed: int = 0) -> None:
-        self.n, self.batch_size, self.seed, self.epoch = n, batch_size, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def _batches(self) -> list[list[int]]:
-        buckets = [[i for i in range(self.n) if i % 3 == b] for b in range(3)]
-        batches = [
-            bucket[j : j + self.batch_size] for bucket in buckets for j in range(0, len(bucket), self.batch_size)
-        ]
-        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        return [batches[k] for k in order.tolist()]
-
-    def __iter__(self):
-        return iter(self._batches())
-
-    def __len__(self) -> int:
-        return len(self._batches())
-
-
-class BatchesOfShard(DistributedSampler):
-    """A library's own ddp sampler: this rank's shard of a shuffled order, in batches (as single-cell tools do)."""
-
-    def __init__(self, dataset, batch_size: int, **kwargs) -> None:
-        super().__init__(dataset, **kwargs)
-        self.batch_size = batch_size
-
-    def __iter__(self):
-        indices = list(super().__iter__())
-        return iter([indices[i : i + self.batch_size] for i in range(0, len(indices), self.batch_size)])
-
-    def __len__(self) -> int:
-        return -(-self.num_samples // self.batch_size)
 
 
 def _epoch(user: DataLoader, rank: int, epoch: int = 0) -> list[list[int]]:

@@ -84,14 +84,7 @@ class EpochOrder:
             return cls("permutation", dataset_size, seed)
         if not isinstance(sampler, Sampler) and not hasattr(sampler, "__iter__"):
             raise ValueError(f"strategy='oscars' cannot read the training sampler {sampler!r}")
-        try:
-            length = len(sampler)  # type: ignore[arg-type]
-        except TypeError:
-            raise ValueError(
-                f"The training sampler {type(sampler).__name__} has no length; oscars needs len(sampler) to plan"
-                " the epoch. Give it a __len__, or use strategy='ddp'."
-            ) from None
-        return cls("sampler", length, seed, sampler)  # type: ignore[arg-type]
+        return cls("sampler", _length("sampler", sampler), seed, sampler)  # type: ignore[arg-type]
 
 
     @classmethod
@@ -110,14 +103,18 @@ class EpochOrder:
     def of_units(cls, source: object, seed: int | None) -> EpochOrder:
         """The order of the user's batches that ``source`` (a batch sampler, or a ``batch_size=None`` loader's
         sampler, as its global view) yields."""
-        try:
-            length = len(source)  # type: ignore[arg-type]
-        except TypeError:
-            raise ValueError(
-                f"The training batch sampler {type(source).__name__} has no length; oscars needs len() to plan the"
-                " epoch. Give it a __len__, or use strategy='ddp'."
-            ) from None
+        length = _length("batch sampler", source)
         return cls("units", length, _global_seed() if seed is None else seed, source)  # type: ignore[arg-type]
+
+
+def _length(what: str, source: object) -> int:
+    try:
+        return len(source)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(
+            f"The training {what} {type(source).__name__} has no length; oscars needs len({what.replace(' ', '_')})"
+            " to plan the epoch. Give it a __len__, or use strategy='ddp'."
+        ) from None
 
 
 def training_set_size(dataloader: DataLoader) -> int:
