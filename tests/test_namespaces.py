@@ -74,3 +74,14 @@ def test_a_users_subclass_bound_to_the_other_namespace_is_a_clear_error():
 
     with pytest.raises(TypeError, match="Derive it from the strategy in lightning_oscars.pytorch_lightning"):
         pl.Trainer(strategy=Mine(), accelerator="cpu", devices=2, logger=False)
+
+
+def test_a_users_subclass_in_its_trainers_namespace_stays_itself():
+    class Mine(lightning_oscars.OscarsStrategy):
+        pass
+
+    import lightning.pytorch as lp
+
+    strategy = Mine(warmup_steps=2)
+    trainer = lp.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    assert type(trainer.strategy) is Mine and strategy.warmup_steps == 2

@@ -160,9 +160,9 @@ def bind(package: str, strategies: Sequence[type]) -> None:
 
 
 def _lightning_base(cls: type) -> ABCMeta:
-    """The first Lightning class ``cls`` derives from (``DDPStrategy``)."""
+    """The first of Lightning's own classes ``cls`` derives from (``DDPStrategy``); a user's subclass is skipped."""
     for base in cls.__mro__:
-        if not base.__module__.startswith(PACKAGE):
+        if _namespace_of(base) is not None:
             assert isinstance(base, ABCMeta), base
             return base
     raise TypeError(f"{cls.__name__} derives from no Lightning class")
