@@ -39,7 +39,7 @@ SAMPLES = 45
 def _cases(namespace: str) -> list[str]:
     if namespace == "pytorch_lightning":
         return [*LOADERS, "masks", "object_of_lightning", *NAMES, "draw_fails"]  # the failing fit last
-    return [*LOADERS, "masks", "servable", *COMBINED, "dict_sequential", "persistent_masks"]
+    return [*LOADERS, "masks", "servable", *COMBINED, "dict_sequential", "batch_balance_buckets", "persistent_masks"]
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +166,10 @@ def test_several_training_loaders_train_as_their_combined_mode_says_with_identic
 def test_sequential_training_loaders_are_refused_on_every_rank_naming_the_mode(ranks):
     fast, slow = ranks["lightning.pytorch", "dict_sequential"]
     assert fast["error"] == slow["error"] and "mode 'sequential'" in fast["error"]
+
+
+@pytest.mark.multiprocess
+def test_balance_batch_refuses_a_loader_that_batches_itself_naming_the_option(ranks):
+    fast, slow = ranks["lightning.pytorch", "batch_balance_buckets"]
+    assert fast["error"] == slow["error"]
+    assert "balance='batch' cannot apply" in fast["error"] and "custom batch_sampler" in fast["error"]

@@ -32,6 +32,7 @@ __all__ = [
     "LoaderShape",
     "UnitFeed",
     "check_unit_loader",
+    "describe_shape",
     "feed_batches",
     "global_view",
     "inner_loader",
@@ -148,15 +149,21 @@ def feed_batches(blocks_units: Sequence[Sequence[Any]], shape: LoaderShape) -> l
     return [units[0] for units in blocks_units]
 
 
-def check_unit_loader(shape: LoaderShape, batch_sizes: Sequence[int] | None, replica_size: int) -> None:
-    """A clear error where an option needs to resize or split the user's batches, which this shape keeps whole."""
-    if shape == "samples":
-        return
-    what = {
+def describe_shape(shape: LoaderShape) -> str:
+    """What makes a loader of this shape batch itself, for messages."""
+    return {
+        "samples": "a batch_size",
         "batch_sampler": "a custom batch_sampler",
         "items": "batch_size=None (its sampler yields batches)",
         "driven": "its own iteration (a DataLoader subclass overriding __iter__)",
     }[shape]
+
+
+def check_unit_loader(shape: LoaderShape, batch_sizes: Sequence[int] | None, replica_size: int) -> None:
+    """A clear error where an option needs to resize or split the user's batches, which this shape keeps whole."""
+    if shape == "samples":
+        return
+    what = describe_shape(shape)
     if batch_sizes is not None:
         raise ValueError(
             f"batch_sizes cannot apply to the training DataLoader: it has {what}, whose batches oscars trains whole"

@@ -33,11 +33,13 @@ from typing_extensions import override
 
 from lightning_oscars.core.batch_shares import BatchKey, ShareBalancer, ShareSchedule, resolve_batch_sizes
 from lightning_oscars.core.epoch_order import EpochOrder, training_set_size
+from lightning_oscars.core.loader_shape import describe_shape, loader_shape
 from lightning_oscars.core.share_loader import ShareLoader, rank_batch_size, saved_position
 from lightning_oscars.dist.batch_weighting import StepSync, WaitTimer, share_weight
 from lightning_oscars.lightning import _internals as internals
 from lightning_oscars.lightning.batch_probe import auto_batch_fits
 from lightning_oscars.lightning.batch_recovery import BatchRecovery
+from lightning_oscars.lightning.loader_patch import UserBatching
 
 __all__ = ["BatchBalanceSession", "ShareChange", "rank_device_names"]
 
@@ -105,11 +107,13 @@ class BatchBalanceSession:
         self._wait_timer: WaitTimer | None = None
         self._error: Exception | None = None
         self.ended = False
+        self._user_batching = UserBatching()
 
     # ------------------------------------------------------------------ lifecycle
 
     def begin(self, trainer: Trainer) -> None:
         self._trainer = trainer
+        self._user_batching.install(trainer)  # a loader that batches itself reaches wrap_dataloader, refused there
         self._callback = _BatchCallback(self)
         trainer.callbacks.insert(0, self._callback)  # type: ignore[attr-defined]
         self._wait_timer = WaitTimer(self.exclude)
@@ -123,6 +127,7 @@ class BatchBalanceSession:
         if self.ended:
             return
         self.ended = True
+        self._user_batching.remove()
         if self.recovery is not None:
             self.recovery.end()
         if self._wait_timer is not None:
@@ -148,6 +153,13 @@ class BatchBalanceSession:
     def wrap_dataloader(self, trainer: Trainer, dataloader: object) -> ShareLoader:
         if not isinstance(dataloader, DataLoader):
             raise ValueError(f"balance='batch' needs a torch DataLoader for training, got {type(dataloader).__name__}")
+        shape = loader_shape(dataloader)
+        if shape != "samples":  # every rank has the same loader: every rank raises here
+            raise ValueError(
+                f"balance='batch' cannot apply to the training DataLoader: it has {describe_shape(shape)}, and ddp's"
+                " global batch is cut into shares sample by sample. Use balance='steps' (the default), which trains"
+                " the loader's own batches whole, or give the DataLoader a batch_size."
+            )
         strategy = self.strategy
         world, rank = strategy.world_size, strategy.global_rank
         order = EpochOrder.of(internals.unwrap_sampler(dataloader.sampler), training_set_size(dataloader), self.seed)
