@@ -112,8 +112,8 @@ def _length(what: str, source: object) -> int:
         return len(source)  # type: ignore[arg-type]
     except TypeError:
         raise ValueError(
-            f"The training {what} {type(source).__name__} has no length; oscars needs len({what.replace(' ', '_')})"
-            " to plan the epoch. Give it a __len__, or use strategy='ddp'."
+            f"The training {what} {type(source).__name__} has no length; oscars needs its len() to plan the epoch."
+            " Give it a __len__, or use strategy='ddp'."
         ) from None
 
 
