@@ -72,7 +72,7 @@ def _assert_identical_and_every_sample_once(pair: list[dict]) -> None:
 def test_a_loader_that_batches_itself_trains_every_sample_once_with_identical_ranks(ranks, namespace, loader):
     pair = ranks[namespace, loader]
     _assert_identical_and_every_sample_once(pair)
-    assert pair[0]["steps"] > pair[1]["steps"], "the ranks took unequal local steps"
+    assert pair[0]["steps"] != pair[1]["steps"], "the ranks took unequal local steps"
 
 
 @pytest.mark.multiprocess
