@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
@@ -65,6 +65,40 @@ class ZipLoader(DataLoader):
 
     def __len__(self) -> int:
         return len(self.labelled)
+
+
+class MissingOnRank1(Ids):
+    """A data set whose file one node lacks: its length fails on rank 1 alone."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def __len__(self) -> int:
+        if self.rank == 1:
+            raise FileNotFoundError("/data/train-part-1.npy is missing on this node")
+        return super().__len__()
+
+
+class ChecksShardsAtEpochStart(SequentialSampler):
+    """A library's sampler that checks the epoch's shard files in ``set_epoch``: one is missing on rank 1."""
+
+    def __init__(self, data: Any, rank: int) -> None:
+        super().__init__(data)
+        self.rank = rank
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch == 1 and self.rank == 1:
+            raise FileNotFoundError("shard-000001.tar of epoch 1 is missing on this node")
+
+
+class CheckedZipLoader(ZipLoader):
+    """:class:`ZipLoader` whose own sampler is told each epoch (``ChecksShardsAtEpochStart``)."""
+
+    def __init__(self, rank: int) -> None:
+        self.labelled = DataLoader(Ids(), batch_size=5, shuffle=True)
+        self.unlabelled = DataLoader(Ids(), batch_size=5, shuffle=True)
+        DataLoader.__init__(self, self.labelled, sampler=ChecksShardsAtEpochStart(self.labelled, rank))
 
 
 class FailsAtEpoch1(Sampler):
@@ -166,7 +200,7 @@ class Model(pl.LightningModule):
                     loss = loss + nn.functional.cross_entropy(self(x), y)
             self.steps_taken += int(any(len(y) for _, y in parts))
             return loss if isinstance(loss, torch.Tensor) else sum(self(x).sum() * 0 for x, _ in parts)
-        if self.loader == "zip":  # the labelled half is trained and counted; the unlabelled one only passes through
+        if self.loader in ("zip", "set_epoch_fails"):  # the labelled half is trained and counted; the unlabelled one only passes through
             (x, y), (unlabelled, _) = batch
             extra = 0.0 * self(unlabelled).sum() if len(unlabelled) else 0.0
             if len(y):
@@ -198,6 +232,13 @@ class Model(pl.LightningModule):
             return _combined_loader(self.loader)
         if self.loader == "draw_fails":
             return DataLoader(data, batch_size=8, sampler=FailsAtEpoch1(N))
+        rank = self.trainer.global_rank
+        if self.loader == "build_fails":
+            return DataLoader(MissingOnRank1(rank), batch_size=8, shuffle=True)
+        if self.loader == "size_differs":  # a node whose copy of the data set is shorter
+            return DataLoader(Ids(N - 5 * rank), batch_size=8, shuffle=True)
+        if self.loader == "set_epoch_fails":
+            return CheckedZipLoader(rank)
         return DataLoader(data, batch_size=8, shuffle=True)
 
 
@@ -220,7 +261,8 @@ class MaskedAttention(Model):
 
 
 def build(case: str) -> pl.LightningModule:
-    if case in ("plain", "buckets", "batch_none", "dist_subclass", "zip", "draw_fails", "servable") or case.startswith(
+    failing = ("draw_fails", "build_fails", "size_differs", "set_epoch_fails")
+    if case in ("plain", "buckets", "batch_none", "dist_subclass", "zip", "servable", *failing) or case.startswith(
         ("dict_", "list_")
     ):
         return Model(loader=case)
@@ -280,6 +322,8 @@ def main() -> None:
             import lightning_oscars
 
             run_one("plain", lightning_oscars.OscarsStrategy(warmup_steps=1), out / case)
+        elif case.startswith("ddp:"):  # what ddp does with the same case
+            run_one(case.split(":", 1)[1], "ddp", out / case.replace(":", "_"))
         elif case == "batch_balance_buckets":  # balance="batch" cannot cut ddp's global batch from the user's
             run_one("buckets", oscars.OscarsStrategy(balance="batch", warmup_steps=1), out / case)
         else:

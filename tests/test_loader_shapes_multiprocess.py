@@ -9,9 +9,11 @@ ranks through Lightning's launcher, rank 1 three times slower and ``warmup_steps
   buffer and each rank's shape (not a lost rank);
 * under ``pytorch_lightning``: every registered strategy name, and an ``OscarsStrategy`` made from ``lightning_oscars``
   (bound to ``lightning.pytorch``) handed to a ``pytorch_lightning.Trainer``;
-* a dict or list of training loaders in ``CombinedLoader``'s modes (``sequential`` refused by name);
-* a callback that pickles the module into a spawned process from rank 0 (``ServableModuleValidator``); a custom
-  sampler whose draw fails on rank 0: the same failure on every rank, at once."""
+* a dict or list of training loaders in ``CombinedLoader``'s modes (``sequential`` refused, as ddp's fit refuses it);
+* a callback that pickles the module into a spawned process from rank 0 (``ServableModuleValidator``);
+* a failure on one rank while the epoch is prepared (a custom sampler's draw on rank 0, the user's
+  ``train_dataloader`` or a sampler's ``set_epoch`` on rank 1, a training set of another size on rank 1): every rank
+  raises at once, with the failing rank's message."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ OURS = sorted(
     name for name, entry in StrategyRegistry.items() if entry["strategy"].__module__.startswith("lightning_oscars.")
 )
 NAMES = tuple(f"name:{name}" for name in OURS)
+ONE_RANK_FAILS = ("build_fails", "set_epoch_fails", "size_differs")
 TIMEOUT = 240
 SAMPLES = 45
 
@@ -39,7 +42,8 @@ SAMPLES = 45
 def _cases(namespace: str) -> list[str]:
     if namespace == "pytorch_lightning":
         return [*LOADERS, "masks", "object_of_lightning", *NAMES, "draw_fails"]  # the failing fit last
-    return [*LOADERS, "masks", "servable", *COMBINED, "dict_sequential", "batch_balance_buckets", "persistent_masks"]
+    failing = ["dict_sequential", "ddp:dict_sequential", "batch_balance_buckets", "persistent_masks", *ONE_RANK_FAILS]
+    return [*LOADERS, "masks", "servable", *COMBINED, *failing]
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +167,39 @@ def test_several_training_loaders_train_as_their_combined_mode_says_with_identic
 
 
 @pytest.mark.multiprocess
-def test_sequential_training_loaders_are_refused_on_every_rank_naming_the_mode(ranks):
+def test_sequential_training_loaders_are_refused_on_every_rank_as_ddp_refuses_them(ranks):
     fast, slow = ranks["lightning.pytorch", "dict_sequential"]
     assert fast["error"] == slow["error"] and "mode 'sequential'" in fast["error"]
+    assert "does not train under any strategy" in fast["error"] and fast["trained"] == []
+    under_ddp = ranks["lightning.pytorch", "ddp:dict_sequential"]
+    assert all('does not support the `CombinedLoader(mode="sequential")`' in rank["error"] for rank in under_ddp)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("case", "cause", "while_"),
+    [
+        ("build_fails", "FileNotFoundError: /data/train-part-1.npy", "requesting its training loaders"),
+        ("set_epoch_fails", "FileNotFoundError: shard-000001.tar of epoch 1", "starting training epoch 1"),
+    ],
+)
+def test_a_failure_on_one_rank_preparing_the_epoch_is_every_ranks_error_at_once(ranks, case, cause, while_):
+    """Rank 1 alone fails (the user's ``train_dataloader``; a sampler's ``set_epoch`` at the second epoch): rank 0
+    raises too, within a second, naming rank 1, what it was doing and its message, instead of waiting in the next
+    collective until rank 1's process exits (here it never would: the script goes on to its next case)."""
+    fast, slow = ranks["lightning.pytorch", case]
+    assert slow["error"].startswith(cause)
+    assert fast["error"].startswith(f"PeerFailure: Rank 1 failed while {while_}")
+    assert slow["error"] in fast["error"]
+    assert abs(fast["failed_at"] - slow["failed_at"]) < 5.0
+    assert len(fast["trained"]) == len(slow["trained"]) == (1 if case == "set_epoch_fails" else 0)
+
+
+@pytest.mark.multiprocess
+def test_ranks_with_training_sets_of_different_sizes_are_one_error_naming_each_size(ranks):
+    fast, slow = ranks["lightning.pytorch", "size_differs"]
+    assert fast["error"] == slow["error"]
+    assert "45 samples in 6 batches on rank 0, 40 samples in 5 batches on rank 1" in fast["error"]
 
 
 @pytest.mark.multiprocess

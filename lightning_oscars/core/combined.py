@@ -11,7 +11,7 @@ fetches, for the lead's plan batch ``b``, its own batch ``follow(b)``:
 
 Each loader keeps its own order (sampler, shuffle, seed), batch size and collate function, so within an epoch the
 lead's batches are trained once each, and every loader's as its mode says. ``"sequential"`` (one loader after the
-other) is not a combined step and is refused.
+other) is refused, as Lightning's fit loop refuses it under every strategy.
 """
 
 from __future__ import annotations
@@ -47,12 +47,14 @@ def plan_batches(
 
 
 def check_mode(mode: str, loaders: int) -> None:
-    if mode not in COMBINED_MODES:
+    if mode == "sequential":  # Lightning's own fit loop refuses it under every strategy (ddp too), at the epoch's run
         raise ValueError(
-            f"strategy='oscars' splits the steps of {loaders} training loaders combined in mode {mode!r} by speed"
-            f" only in modes {', '.join(repr(m) for m in COMBINED_MODES)}, where every step takes a batch of each;"
-            " 'sequential' trains one loader after the other. Use one of those modes, or strategy='ddp'."
+            f"{loaders} training loaders are combined in mode 'sequential', which Lightning's fit loop does not train"
+            " under any strategy (ddp included: only its validation, test and predict loops take one loader after"
+            f" the other). Combine training loaders in one of the modes {', '.join(repr(m) for m in COMBINED_MODES)}."
         )
+    if mode not in COMBINED_MODES:
+        raise ValueError(f"{loaders} training loaders combined in an unknown mode {mode!r}")
 
 
 def lead_index(mode: str, batches: Sequence[int]) -> int:

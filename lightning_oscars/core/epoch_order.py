@@ -86,7 +86,6 @@ class EpochOrder:
             raise ValueError(f"strategy='oscars' cannot read the training sampler {sampler!r}")
         return cls("sampler", _length("sampler", sampler), seed, sampler)  # type: ignore[arg-type]
 
-
     @classmethod
     def of_loader(cls, dataloader: DataLoader, seed: int | None, unwrap: Callable[[object], object]) -> EpochOrder:
         """The order of a training ``dataloader`` as Lightning set it up: of its samples, or of its batches when it

@@ -64,6 +64,7 @@ __all__ = [
     "training_set_size",
 ]  # EpochOrder: see epoch_order.py
 
+
 class EpochSampler:
     """Holds the epoch number for Lightning's ``set_epoch`` call."""
 

@@ -175,10 +175,17 @@ def dataloader_preparation(trainer: Trainer) -> PatchPoint:
     return trainer._data_connector, "_prepare_dataloader"
 
 
+def training_loader_request(trainer: Trainer) -> PatchPoint:
+    """Where the fit loop asks the user's code for its training loaders, on every rank, once per (re)load (the data
+    source's ``dataloader``: ``train_dataloader`` of the module or data module, or the loaders given to ``fit``)."""
+    return trainer.fit_loop._data_source, "dataloader"
+
+
 def first_training_dataloader(trainer: Trainer) -> object:
     """The fit's (first) training DataLoader as the user's code returns it, before Lightning wraps it (its
     ``train_dataloader`` hook is called once more)."""
-    loaders: Any = trainer.fit_loop._data_source.dataloader()
+    source = trainer.fit_loop._data_source
+    loaders: Any = type(source).dataloader(source)  # the hook itself, not the fit's agreed request (loader_patch.py)
     if isinstance(loaders, dict):
         loaders = next(iter(loaders.values()), None)
     if isinstance(loaders, (list, tuple)):

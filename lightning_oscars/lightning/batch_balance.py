@@ -39,6 +39,7 @@ from lightning_oscars.dist.batch_weighting import StepSync, WaitTimer, share_wei
 from lightning_oscars.lightning import _internals as internals
 from lightning_oscars.lightning.batch_probe import auto_batch_fits
 from lightning_oscars.lightning.batch_recovery import BatchRecovery
+from lightning_oscars.lightning.every_rank import on_every_rank
 from lightning_oscars.lightning.loader_patch import UserBatching
 
 __all__ = ["BatchBalanceSession", "ShareChange", "rank_device_names"]
@@ -107,7 +108,7 @@ class BatchBalanceSession:
         self._wait_timer: WaitTimer | None = None
         self._error: Exception | None = None
         self.ended = False
-        self._user_batching = UserBatching()
+        self._user_batching = UserBatching(strategy)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -153,17 +154,13 @@ class BatchBalanceSession:
     def wrap_dataloader(self, trainer: Trainer, dataloader: object) -> ShareLoader:
         if not isinstance(dataloader, DataLoader):
             raise ValueError(f"balance='batch' needs a torch DataLoader for training, got {type(dataloader).__name__}")
-        shape = loader_shape(dataloader)
-        if shape != "samples":  # every rank has the same loader: every rank raises here
-            raise ValueError(
-                f"balance='batch' cannot apply to the training DataLoader: it has {describe_shape(shape)}, and ddp's"
-                " global batch is cut into shares sample by sample. Use balance='steps' (the default), which trains"
-                " the loader's own batches whole, or give the DataLoader a batch_size."
-            )
         strategy = self.strategy
         world, rank = strategy.world_size, strategy.global_rank
-        order = EpochOrder.of(internals.unwrap_sampler(dataloader.sampler), training_set_size(dataloader), self.seed)
-        total = rank_batch_size(dataloader) * world
+        # A rank's failure to read its loader is every rank's, before the first collective (every_rank.py).
+        order, batch = on_every_rank(
+            strategy, "building the training loader", lambda: _read_loader(dataloader, self.seed), agree=_size_of
+        )
+        total = batch * world
         if self.schedule is None or self.schedule.total != total:
             self._plan(total, world, dataloader)
         assert self.schedule is not None
@@ -372,3 +369,20 @@ def rank_device_names(strategy: ParallelStrategy, needed: bool) -> list[str]:
     names: list[Any] = [None] * strategy.world_size
     torch.distributed.all_gather_object(names, mine)
     return [str(n) for n in names]
+
+
+def _read_loader(dataloader: DataLoader, seed: int | None) -> tuple[EpochOrder, int]:
+    """The user's loader's epoch order and batch size per rank (ddp's), or why balance="batch" cannot cut it."""
+    shape = loader_shape(dataloader)
+    if shape != "samples":
+        raise ValueError(
+            f"balance='batch' cannot apply to the training DataLoader: it has {describe_shape(shape)}, and ddp's"
+            " global batch is cut into shares sample by sample. Use balance='steps' (the default), which trains"
+            " the loader's own batches whole, or give the DataLoader a batch_size."
+        )
+    order = EpochOrder.of(internals.unwrap_sampler(dataloader.sampler), training_set_size(dataloader), seed)
+    return order, rank_batch_size(dataloader)
+
+
+def _size_of(read: tuple[EpochOrder, int]) -> str:
+    return f"{read[0].num_samples} samples in batches of {read[1]}"

@@ -29,10 +29,10 @@ from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from lightning_oscars.core.control import ControlData
-from lightning_oscars.core.loader import EpochOrder, LoadBalancedLoader
+from lightning_oscars.core.loader import LoadBalancedLoader
+from lightning_oscars.core.partition import EpochPlan
 from lightning_oscars.core.rounds import RoundController
 from lightning_oscars.core.slots import ends_slot
 from lightning_oscars.dist.local_state import LocalState
@@ -42,12 +42,11 @@ from lightning_oscars.lightning import _internals as internals
 from lightning_oscars.lightning.adapter import LightningAdapter
 from lightning_oscars.lightning.agreement import MetricAgreement
 from lightning_oscars.lightning.callbacks import append_round_callbacks, insert_round_callbacks, without_callbacks
-from lightning_oscars.lightning.combined_loaders import lead_loader, start_followers
-from lightning_oscars.lightning.epoch_draw import shared_epoch_order
 from lightning_oscars.lightning.fit_failures import FitFailures
 from lightning_oscars.lightning.loader_patch import UserBatching
 from lightning_oscars.lightning.recovery import RECOVERY_GRACE_S, FitRecovery
 from lightning_oscars.lightning.round_tensors import RoundLayout, model_tensors, round_tensors
+from lightning_oscars.lightning.training_loaders import build_loader, lead_loader, start_loaders
 
 __all__ = ["FitSession"]
 
@@ -93,7 +92,7 @@ class FitSession:
         self.on_training_end = on_training_end
         self.recovery = recovery
         self.adapter = LightningAdapter(self.slot_is_real, strategy.root_device)
-        self.user_batching = UserBatching()
+        self.user_batching = UserBatching(strategy)
         self.layout = RoundLayout(sharded=getattr(strategy, "shard_group", None) is not None)
         self.loader: LoadBalancedLoader | None = None
         self.agreement = MetricAgreement(strategy)
@@ -149,21 +148,10 @@ class FitSession:
 
     def wrap_dataloader(self, trainer: Trainer, dataloader: object) -> LoadBalancedLoader:
         """The load-balanced loader over the user's training loader."""
-        if not isinstance(dataloader, DataLoader):
-            raise ValueError(
-                f"strategy='oscars' needs a torch DataLoader for training, got {type(dataloader).__name__}"
-            )
-        rounds = self.rounds
-        loader = LoadBalancedLoader(
-            dataloader,
-            rank=rounds.rank,  # with replica groups: this rank's replica among the replicas
-            world_size=rounds.world_size,
-            replica_size=rounds.replica_size,
-            member=rounds.member,
-            batches_per_slot=internals.accumulation_at(trainer, trainer.current_epoch),
-            order=EpochOrder.of_loader(dataloader, self.seed, internals.unwrap_sampler),
-            batch_sizes=self.batch_sizes,
-        )
+        rounds = self.rounds  # with replica groups: this rank's replica among the replicas
+        place = {"rank": rounds.rank, "world_size": rounds.world_size, "batch_sizes": self.batch_sizes}
+        place.update(replica_size=rounds.replica_size, member=rounds.member)
+        loader = build_loader(self.strategy, trainer, dataloader, self.seed, **place)
         self.adopt_loader(loader)
         return loader
 
@@ -239,21 +227,21 @@ class FitSession:
         shape = self.adapter.read_epoch(trainer)  # Lightning's counters, read once: the core plans from the value
         loader, followers = self._lead(trainer)  # several loaders combined: one leads the plan (the same everywhere)
         epoch = shape.epoch
-        if shape.batches_per_slot != loader.batches_per_slot:
-            # A GradientAccumulationScheduler changed the slot size: units, bounds and the plan follow.
-            loader.set_batches_per_slot(shape.batches_per_slot)
-            self._bound_epoch(loader)
-            self.rounds.forget_plan()
-        # A fractional limit_train_batches is applied here, to the units (what ddp would train), not to the slots.
-        units = loader.units_within(shape.limit)
-        if isinstance(shape.limit, float):
-            internals.lift_batch_limit(trainer)
-        plan = self.rounds.plan_epoch(epoch, units, loader.max_slots, shape.boundaries)
+
+        def plan_epoch() -> EpochPlan:
+            if shape.batches_per_slot != loader.batches_per_slot:
+                # A GradientAccumulationScheduler changed the slot size: units, bounds and the plan follow.
+                loader.set_batches_per_slot(shape.batches_per_slot)
+                self._bound_epoch(loader)
+                self.rounds.forget_plan()
+            # A fractional limit_train_batches is applied here, to the units (what ddp would train), not the slots.
+            units = loader.units_within(shape.limit)
+            if isinstance(shape.limit, float):
+                internals.lift_batch_limit(trainer)
+            return self.rounds.plan_epoch(epoch, units, loader.max_slots, shape.boundaries)
+
         order = self.recovery.order_for(epoch) if self.recovery is not None else None
-        if order is None and loader.order.shared:  # rank 0 draws, or every rank raises its failure
-            order = shared_epoch_order(self.strategy, loader.order, epoch)
-        loader.start_epoch(plan, epoch, order, start_position=resume_at)
-        start_followers(self.strategy, loader, followers, plan, epoch, resume_at)
+        plan = start_loaders(self.strategy, loader, followers, epoch, order, resume_at, plan_epoch)
         self.adapter.start_epoch()
         self.adapter.size_epoch(trainer, plan.total_slots * loader.batches_per_slot)
 
@@ -390,4 +378,3 @@ class FitSession:
     def report_failure(self, error: BaseException) -> None:
         """This rank's run is ending with ``error``: tell the others who failed, and stop meeting them."""
         self.failures.report(error, self.loader)
-
