@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.utils.parametrize
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
@@ -182,6 +183,7 @@ class Model(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
         self.loader = loader
         self.trained: list[list[int]] = []
+        self.trained_steps: list[tuple[int, list[int]]] = []  # (global step, sample ids) of every real step
         self.steps_taken = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,26 +192,33 @@ class Model(pl.LightningModule):
     def on_train_epoch_start(self) -> None:
         self.trained.append([])
 
+    def _record(self, x: torch.Tensor) -> None:
+        if not self.trained:  # resumed mid-epoch: Lightning does not call on_train_epoch_start again
+            self.trained.append([])
+        ids = x[:, 0].long().tolist()
+        self.trained[-1] += ids
+        self.trained_steps.append((self.trainer.global_step, ids))
+
     def training_step(self, batch, batch_idx):
         if self.loader.startswith(("dict_", "list_")):  # one batch of each loader (None: one past its end)
             parts = [p for p in (batch.values() if isinstance(batch, dict) else batch) if p is not None]
             loss = 0.0
             for x, y in parts:
                 if len(y):
-                    self.trained[-1] += x[:, 0].long().tolist()
+                    self._record(x)
                     loss = loss + nn.functional.cross_entropy(self(x), y)
             self.steps_taken += int(any(len(y) for _, y in parts))
             return loss if isinstance(loss, torch.Tensor) else sum(self(x).sum() * 0 for x, _ in parts)
-        if self.loader in ("zip", "set_epoch_fails"):  # the labelled half is trained and counted; the unlabelled one only passes through
+        if self.loader in ("zip", "set_epoch_fails"):  # the labelled half is trained and counted, the other passes
             (x, y), (unlabelled, _) = batch
             extra = 0.0 * self(unlabelled).sum() if len(unlabelled) else 0.0
             if len(y):
-                self.trained[-1] += x[:, 0].long().tolist()
+                self._record(x)
                 self.steps_taken += 1
             return nn.functional.cross_entropy(self(x), y) + extra
         x, y = batch
         if len(y):
-            self.trained[-1] += x[:, 0].long().tolist()
+            self._record(x)
             self.steps_taken += 1
         return nn.functional.cross_entropy(self(x), y)
 
@@ -260,7 +269,45 @@ class MaskedAttention(Model):
         return self.net(x + 0.1 * mixed)
 
 
+class Scaled(nn.Module):
+    """A weight parametrization (as weight normalisation and spectral norms are): the weight is computed."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 0.5 * weight
+
+
+class UserShapes(Model):
+    """The model shapes a tool's own examples have besides a plain MLP: no buffers at all, a frozen layer, a parameter
+    no optimizer owns (it gets gradients, no step), a parametrized weight; validated twice per epoch."""
+
+    def __init__(self, loader: str) -> None:
+        super().__init__(loader=loader)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        torch.nn.utils.parametrize.register_parametrization(self.net[0], "weight", Scaled())
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.temperature = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x + 0.1 * self.frozen(x)) * self.temperature
+
+    def configure_optimizers(self):
+        owned = [p for name, p in self.named_parameters() if p.requires_grad and name != "temperature"]
+        return torch.optim.Adam(owned, lr=0.01)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        return DataLoader(Ids(16), batch_size=8)
+
+
 def build(case: str) -> pl.LightningModule:
+    if case.startswith("shapes:"):
+        return UserShapes(loader=case.split(":", 1)[1])
+    if case.startswith("resume:"):
+        return Model(loader=case.split(":", 1)[1])
     failing = ("draw_fails", "build_fails", "size_differs", "set_epoch_fails")
     if case in ("plain", "buckets", "batch_none", "dist_subclass", "zip", "servable", *failing) or case.startswith(
         ("dict_", "list_")
@@ -277,37 +324,57 @@ def state_of(module: nn.Module) -> dict[str, list[float]]:
     return {k: v.detach().double().reshape(-1).tolist() for k, v in module.state_dict().items()}
 
 
-def run_one(case: str, strategy: Any, out: Path) -> None:
+def run_one(
+    case: str, strategy: Any, out: Path, *, slow: bool = True, ckpt: str | None = None, name: str = "rank", **kw: Any
+) -> None:
     pl.seed_everything(0, verbose=False)
     module = build(case)
     served = ServesOnRankZero() if case == "servable" else None
+    settings: dict[str, Any] = dict(enable_checkpointing=False, limit_val_batches=0, max_epochs=3)
+    settings.update(kw)
+    emulate = [oscars.HeterogeneityEmulator({1: 3.0})] if slow else []
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
-        max_epochs=3,
-        callbacks=[oscars.HeterogeneityEmulator({1: 3.0}), *([served] if served else [])],
+        callbacks=[*emulate, *([served] if served else []), *settings.pop("callbacks", [])],
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(out),
-        limit_val_batches=0,
+        **settings,
     )
     result: dict[str, Any] = {
         "strategy_class": f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__name__}"
     }
+    initial = state_of(module)
     try:
-        trainer.fit(module)
+        trainer.fit(module, ckpt_path=ckpt)
     except Exception as error:  # noqa: BLE001 - reported to the test
         result["failed_at"] = time.time()
         result["error"] = f"{type(error).__name__}: {error}"
         result["traceback"] = traceback.format_exc()
     result.update(rank=trainer.global_rank, state=state_of(module), trained=module.trained, steps=module.steps_taken)
+    result.update(initial=initial, trained_steps=module.trained_steps, global_step=trainer.global_step)
     result["buffers"] = {k: list(v.shape) for k, v in module.named_buffers()}
     result["served"] = served.outputs if served is not None else None
+    checkpoints = [c for c in trainer.callbacks if isinstance(c, pl.callbacks.ModelCheckpoint)]  # type: ignore[attr-defined]
+    result["checkpoint_state"] = [repr(sorted(c.state_dict().items())) for c in checkpoints]
+    result["val_loss"] = float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    (out / f"{name}{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def resume_pair(case: str, out: Path) -> None:
+    """A fit that checkpoints every 3 steps (``first_rank*.json``), then one resumed from its checkpoint at step 3, in
+    the middle of the first epoch (``rank*.json``)."""
+    strategy = oscars.OscarsStrategy(warmup_steps=1)
+    every = pl.callbacks.ModelCheckpoint(dirpath=out / "steps", every_n_train_steps=3, save_top_k=-1)
+    run_one(case, strategy, out, enable_checkpointing=True, callbacks=[every], max_epochs=2, name="first_rank")
+    resumed = pl.callbacks.ModelCheckpoint(dirpath=out / "resumed", every_n_train_steps=3, save_top_k=-1)
+    ckpt = str(out / "steps" / "epoch=0-step=3.ckpt")
+    strategy = oscars.OscarsStrategy(warmup_steps=1)
+    run_one(case, strategy, out, enable_checkpointing=True, callbacks=[resumed], max_epochs=2, ckpt=ckpt)
 
 
 def main() -> None:
@@ -322,6 +389,12 @@ def main() -> None:
             import lightning_oscars
 
             run_one("plain", lightning_oscars.OscarsStrategy(warmup_steps=1), out / case)
+        elif case.startswith("resume:"):
+            resume_pair(case, out / case.replace(":", "_"))
+        elif case.startswith("shapes:"):  # equal speeds, validation twice per epoch
+            strategy = oscars.OscarsStrategy(warmup_steps=1)
+            folder = out / case.replace(":", "_")
+            run_one(case, strategy, folder, slow=False, val_check_interval=0.5, limit_val_batches=2)
         elif case.startswith("ddp:"):  # what ddp does with the same case
             run_one(case.split(":", 1)[1], "ddp", out / case.replace(":", "_"))
         elif case == "batch_balance_buckets":  # balance="batch" cannot cut ddp's global batch from the user's

@@ -34,16 +34,18 @@ OURS = sorted(
     name for name, entry in StrategyRegistry.items() if entry["strategy"].__module__.startswith("lightning_oscars.")
 )
 NAMES = tuple(f"name:{name}" for name in OURS)
+SHAPES = {"lightning.pytorch": ["shapes:batch_none"], "pytorch_lightning": ["shapes:dist_subclass"]}
+RESUMES = {"lightning.pytorch": ["resume:buckets"], "pytorch_lightning": ["resume:zip"]}
 ONE_RANK_FAILS = ("build_fails", "set_epoch_fails", "size_differs")
 TIMEOUT = 240
 SAMPLES = 45
 
 
-def _cases(namespace: str) -> list[str]:
-    if namespace == "pytorch_lightning":
-        return [*LOADERS, "masks", "object_of_lightning", *NAMES, "draw_fails"]  # the failing fit last
+def _cases(ns: str) -> list[str]:
+    if ns == "pytorch_lightning":
+        return [*LOADERS, "masks", *SHAPES[ns], *RESUMES[ns], "object_of_lightning", *NAMES, "draw_fails"]  # fails last
     failing = ["dict_sequential", "ddp:dict_sequential", "batch_balance_buckets", "persistent_masks", *ONE_RANK_FAILS]
-    return [*LOADERS, "masks", "servable", *COMBINED, *failing]
+    return [*LOADERS, "masks", *SHAPES[ns], *RESUMES[ns], "servable", *COMBINED, *failing]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,8 @@ def ranks(tmp_path_factory) -> dict[tuple[str, str], list[dict]]:
         for case in _cases(ns):
             folder = out / ns / case.replace(":", "_")
             found[ns, case] = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+            if case.startswith("resume:"):
+                found[ns, f"{case}:first"] = [json.loads((folder / f"first_rank{r}.json").read_text()) for r in (0, 1)]
     return found
 
 
@@ -77,6 +81,37 @@ def test_a_loader_that_batches_itself_trains_every_sample_once_with_identical_ra
     pair = ranks[namespace, loader]
     _assert_identical_and_every_sample_once(pair)
     assert pair[0]["steps"] != pair[1]["steps"], "the ranks took unequal local steps"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("namespace", "case"), [(ns, case) for ns in NAMESPACES for case in SHAPES[ns]])
+def test_buffer_less_frozen_unowned_and_parametrized_weights_train_at_equal_speeds_and_validate(ranks, namespace, case):
+    """No buffers, a frozen layer, a parameter no optimizer owns, a parametrized weight; no rank slowed down, and
+    validation twice per epoch (rounds end there): identical state, every sample once, one validation figure."""
+    pair = ranks[namespace, case]
+    _assert_identical_and_every_sample_once(pair)
+    fast, slow = pair
+    assert fast["buffers"] == {} and "net.0.parametrizations.weight.original" in fast["state"]
+    for untouched in ("frozen.weight", "frozen.bias", "temperature"):  # frozen, and owned by no optimizer
+        assert fast["state"][untouched] == fast["initial"][untouched]
+    assert fast["state"]["net.2.weight"] != fast["initial"]["net.2.weight"]
+    assert fast["val_loss"] is not None and fast["val_loss"] == slow["val_loss"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("namespace", "case"), [(ns, case) for ns in NAMESPACES for case in RESUMES[ns]])
+def test_a_resume_mid_epoch_trains_the_rest_once_then_whole_epochs(ranks, namespace, case):
+    """Checkpoints every 3 steps; the second fit resumes from step 3 (in the first epoch): what both ranks trained
+    before step 3 and what the resumed fit trained in that epoch are the epoch, once; the next epoch is whole; both
+    ranks end with the same state and the same checkpoint callback state."""
+    first, (fast, slow) = ranks[namespace, f"{case}:first"], ranks[namespace, case]
+    assert all("error" not in rank for rank in (*first, fast, slow)), [r.get("traceback") for r in (fast, slow)]
+    before = [i for rank in first for step, ids in rank["trained_steps"] if step < 3 for i in ids]
+    assert 0 < len(before) < SAMPLES
+    assert sorted(before + fast["trained"][0] + slow["trained"][0]) == list(range(SAMPLES))
+    assert len(fast["trained"]) == 2 and sorted(fast["trained"][1] + slow["trained"][1]) == list(range(SAMPLES))
+    assert fast["state"] == slow["state"] and fast["global_step"] == slow["global_step"]
+    assert fast["checkpoint_state"] == slow["checkpoint_state"] != [], "ModelCheckpoint's state, on every rank"
 
 
 @pytest.mark.multiprocess
