@@ -69,7 +69,9 @@ def test_dasp_moves_a_worker_that_turns_slow_out_of_the_synchronous_group_and_ba
     assert simulate_paradigm(BSP(), speeds, 25.0, world_size=4).iterations[0] < 0.75 * 25.0 / 0.03
 
 
-@pytest.mark.parametrize("make", [BSP, ASP, lambda: SSP(2), lambda: DSSP(1, 4), DASP], ids=lambda m: str(m))
+@pytest.mark.parametrize(
+    "make", [BSP, ASP, lambda: SSP(2), lambda: DSSP(1, 4), DASP], ids=["bsp", "asp", "ssp-2", "dssp-1-4", "dasp"]
+)
 def test_no_rule_deadlocks_on_random_clusters(make):
     rng = random.Random(3)
     for _ in range(20):
