@@ -48,6 +48,16 @@ def test_options_sharded_replicas_cannot_take_are_errors_naming_them(options, me
         OscarsStrategy(**{"shard_replicas": True, **options})
 
 
+def test_a_torch_without_fsdp2_is_an_error_naming_the_release_it_needs(monkeypatch):
+    import torch.distributed.fsdp
+
+    OscarsStrategy(replica_size=2, shard_replicas=True)  # this torch has it
+    monkeypatch.delattr(torch.distributed.fsdp, "fully_shard")  # as on torch 2.5 and older
+    with pytest.raises(ImportError, match=r"shard_replicas=True needs torch 2\.6 or newer .* this is torch 2\."):
+        OscarsStrategy(replica_size=2, shard_replicas=True)
+    OscarsStrategy(replica_size=2)  # DDP replicas do not need it
+
+
 def test_a_paradigm_refuses_sharded_replicas():
     from lightning_oscars.lightning.paradigms import PARADIGMS
 

@@ -30,6 +30,7 @@ from lightning_oscars.dist.schemes import RoundMeeting, SyncScheme
 
 __all__ = [
     "MESH_DIMS",
+    "require_fully_shard",
     "ShardedModelAveraging",
     "SHARD_OPTIONS",
     "check_shardable",
@@ -133,6 +134,18 @@ def check_shardable(module: nn.Module) -> None:
             " FullyShardedDataParallel (FSDP1) wrappers. Call fully_shard(..., mesh=self.device_mesh['data_parallel'])"
             " in configure_model instead, or let the strategy shard the module."
         )
+
+
+def require_fully_shard() -> None:
+    """Raise naming the release when this torch has no public FSDP2 (``torch.distributed.fsdp.fully_shard``, torch
+    2.6 and newer), which sharded replicas are built on."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            f"shard_replicas=True needs torch 2.6 or newer (FSDP2's torch.distributed.fsdp.fully_shard); this is torch"
+            f" {torch.__version__}. Upgrade torch, or train DDP replicas (shard_replicas=False)."
+        ) from error
 
 
 def shard_by_default(module: nn.Module, mesh: DeviceMesh, **fsdp_options: Any) -> list[str]:

@@ -21,7 +21,7 @@ from lightning_oscars.core.warmup import WarmupGate
 from lightning_oscars.dist.outer import OuterNesterovAveraging
 from lightning_oscars.dist.overlap import OverlappedAveraging
 from lightning_oscars.dist.schemes import ModelAveraging, SyncScheme
-from lightning_oscars.dist.sharding import ShardedModelAveraging, fsdp_keywords
+from lightning_oscars.dist.sharding import ShardedModelAveraging, fsdp_keywords, require_fully_shard
 from lightning_oscars.lightning.batch_balance import rank_device_names
 from lightning_oscars.lightning.batch_probe import auto_rank_batch_sizes
 
@@ -164,6 +164,7 @@ def check_sharding(o: Mapping[str, Any]) -> None:
         if o["shard_options"] is not None:
             raise ValueError("shard_options configures shard_replicas' default sharding: set shard_replicas=True")
         return
+    require_fully_shard()  # an older torch: an error naming the release it needs, before anything is built
     fsdp_keywords(o["shard_options"])  # raises naming a bad key or value
     if o["replica_size"] == 1:
         raise ValueError(
