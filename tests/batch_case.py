@@ -148,6 +148,7 @@ def run_fit(spec: dict[str, Any], out: Path) -> None:
         steps=[] if session is None else session.steps,
         step_runs=[] if session is None else session.step_runs,
         changes=[] if session is None else session.changes,
+        last_batch=None if session is None else list(session._key),  # (epoch, batch) of the fit's last batch
         caps=None if session is None else session.caps,
         global_step=trainer.global_step,
         val_loss=float(trainer.callback_metrics.get("val_loss", float("nan"))),

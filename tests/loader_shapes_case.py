@@ -33,6 +33,7 @@ oscars: Any = importlib.import_module(
     "lightning_oscars" if NAMESPACE == "lightning.pytorch" else "lightning_oscars.pytorch_lightning"
 )
 N = 45  # an epoch's last batch of 8 is short
+WINDOWS_PER_PASS = 10
 
 
 class Ids(Dataset):
@@ -66,6 +67,25 @@ class ZipLoader(DataLoader):
 
     def __len__(self) -> int:
         return len(self.labelled)
+
+
+class RandomWindows:
+    """A forecasting library's training data as it reaches Lightning: not a DataLoader but a plain iterable of ready
+    batches, an endless source of random windows cut to ``per_pass`` batches per pass (its length), drawn from this
+    rank's own generator (as each ddp rank draws from its own copy)."""
+
+    def __init__(self, per_pass: int, rank: int) -> None:
+        self.per_pass, self.passes, self.data = per_pass, 0, Ids()
+        self.generator = torch.Generator().manual_seed(100 + rank)
+
+    def __len__(self) -> int:
+        return self.per_pass
+
+    def __iter__(self):
+        self.passes += 1
+        for _ in range(self.per_pass):
+            rows = torch.randint(0, N, (8,), generator=self.generator)
+            yield self.data.x[rows], self.data.y[rows]
 
 
 class MissingOnRank1(Ids):
@@ -248,6 +268,9 @@ class Model(pl.LightningModule):
             return DataLoader(Ids(N - 5 * rank), batch_size=8, shuffle=True)
         if self.loader == "set_epoch_fails":
             return CheckedZipLoader(rank)
+        if self.loader == "own_windows":
+            self.windows = RandomWindows(WINDOWS_PER_PASS, rank)
+            return self.windows
         return DataLoader(data, batch_size=8, shuffle=True)
 
 
@@ -308,8 +331,8 @@ def build(case: str) -> pl.LightningModule:
         return UserShapes(loader=case.split(":", 1)[1])
     if case.startswith("resume:"):
         return Model(loader=case.split(":", 1)[1])
-    failing = ("draw_fails", "build_fails", "size_differs", "set_epoch_fails")
-    if case in ("plain", "buckets", "batch_none", "dist_subclass", "zip", "servable", *failing) or case.startswith(
+    more = ("draw_fails", "build_fails", "size_differs", "set_epoch_fails", "own_windows")
+    if case in ("plain", "buckets", "batch_none", "dist_subclass", "zip", "servable", *more) or case.startswith(
         ("dict_", "list_")
     ):
         return Model(loader=case)
@@ -358,6 +381,7 @@ def run_one(
     result.update(initial=initial, trained_steps=module.trained_steps, global_step=trainer.global_step)
     result["buffers"] = {k: list(v.shape) for k, v in module.named_buffers()}
     result["served"] = served.outputs if served is not None else None
+    result["passes"] = module.windows.passes if hasattr(module, "windows") else None
     checkpoints = [c for c in trainer.callbacks if isinstance(c, pl.callbacks.ModelCheckpoint)]  # type: ignore[attr-defined]
     result["checkpoint_state"] = [repr(sorted(c.state_dict().items())) for c in checkpoints]
     result["val_loss"] = float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None

@@ -193,8 +193,12 @@ def test_validation_runs_where_ddps_does_and_every_rank_agrees_on_its_metrics(fi
 
 @pytest.mark.multiprocess
 def test_every_change_of_the_shares_is_logged_to_the_trainers_loggers(fits):
+    """Logged when it takes effect: a change agreed at the fit's last steps, due at a batch the fit never reaches,
+    is not (which one is the last depends on the timing)."""
     fast, _ = fits["batchnorm"]
-    assert fast["logged_shares"] == [[float(n) for n in shares] for _, _, shares in fast["changes"]]
+    taken = [shares for epoch, batch, shares in fast["changes"] if [epoch, batch] <= fast["last_batch"]]
+    assert len(taken) >= 2, "the shares moved at least once from the first ones"
+    assert fast["logged_shares"] == [[float(n) for n in shares] for shares in taken]
 
 
 @pytest.mark.multiprocess

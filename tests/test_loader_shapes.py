@@ -138,3 +138,53 @@ def test_a_loader_with_its_own_iteration_is_driven_alike_on_every_rank():
         rows = [i for batch in fast + slow for i in batch]
         assert sorted(rows) == sorted(list(range(45)) * 2)  # each loader's every sample once (both halves zipped)
     assert [len(b) for b in _epoch(ZipLoader(), 0, 0)] == [10] * len(fast)  # the user's own batches
+
+
+class Windows:
+    """A library's iterable of ready batches (not a DataLoader): ``per_pass`` batches per pass, each batch a tensor
+    of ``[pass, k]`` so that a test can say which pass and batch a rank trained; counts its passes."""
+
+    def __init__(self, per_pass: int) -> None:
+        self.per_pass, self.passes = per_pass, 0
+
+    def __len__(self) -> int:
+        return self.per_pass
+
+    def __iter__(self):
+        self.passes += 1
+        return iter([torch.tensor([[self.passes, k]]) for k in range(self.per_pass)])
+
+
+def test_an_iterable_of_its_own_batches_deals_ddps_budget_each_rank_from_its_own_copy():
+    """Two ranks at (3, 1) local steps, 5 batches per pass: the epoch is 10 batches (ddp's: one pass per rank), the
+    fast rank drawing 7 or 8 of them from its copy in order (a second pass after the fifth), the slow one the rest;
+    the next epoch starts a new pass on each rank."""
+    copies = {rank: Windows(5) for rank in (0, 1)}
+    trained = {}
+    for rank, copy in copies.items():
+        loader = LoadBalancedLoader(copy, rank=rank, world_size=2)
+        assert loader.shape == "own" and loader.total_units == 10
+        slots = planned_slots(LOCAL_STEPS, loader.total_units)
+        trained[rank] = []
+        for epoch in (0, 1):
+            loader.start_epoch(EpochPlan(2, loader.total_units, slots, LOCAL_STEPS), epoch, None)
+            batches, iterator = [], iter(loader)
+            for _ in range(len(loader)):
+                batch = next(iterator)
+                if loader.take_slot().real:
+                    batches.append(tuple(batch.reshape(-1).tolist()))
+            trained[rank].append(batches)
+        loader.close()
+    for epoch in (0, 1):
+        fast, slow = trained[0][epoch], trained[1][epoch]
+        assert len(fast) + len(slow) == 10 and len(fast) > 5 > len(slow)
+        assert [k for _, k in fast] == [k % 5 for k in range(len(fast))]  # in order, a second pass after the fifth
+        assert [k for _, k in slow] == list(range(len(slow)))
+    assert trained[0][1][0] == (copies[0].passes - 1, 0)  # epoch 1 began a new pass on the fast rank
+
+
+def test_an_iterable_of_its_own_batches_without_a_length_is_refused_naming_why():
+    with pytest.raises(ValueError, match="when it has a length .* this one has none"):
+        LoadBalancedLoader(iter(Windows(5)), rank=0, world_size=2)
+    with pytest.raises(ValueError, match="batch_sizes cannot apply .* batches of its own"):
+        LoadBalancedLoader(Windows(5), rank=0, world_size=2, batch_sizes=[2, 1])

@@ -10,6 +10,7 @@ ranks through Lightning's launcher, rank 1 three times slower and ``warmup_steps
 * under ``pytorch_lightning``: every registered strategy name, and an ``OscarsStrategy`` made from ``lightning_oscars``
   (bound to ``lightning.pytorch``) handed to a ``pytorch_lightning.Trainer``;
 * a dict or list of training loaders in ``CombinedLoader``'s modes (``sequential`` refused, as ddp's fit refuses it);
+* a library's own iterable of ready batches (not a DataLoader): ddp's budget of batches per epoch, dealt by speed;
 * a callback that pickles the module into a spawned process from rank 0 (``ServableModuleValidator``);
 * a failure on one rank while the epoch is prepared (a custom sampler's draw on rank 0, the user's
   ``train_dataloader`` or a sampler's ``set_epoch`` on rank 1, a training set of another size on rank 1): every rank
@@ -36,6 +37,7 @@ OURS = sorted(
 NAMES = tuple(f"name:{name}" for name in OURS)
 SHAPES = {"lightning.pytorch": ["shapes:batch_none"], "pytorch_lightning": ["shapes:dist_subclass"]}
 RESUMES = {"lightning.pytorch": ["resume:buckets"], "pytorch_lightning": ["resume:zip"]}
+OWN_BATCHES = ("own_windows", "ddp:own_windows")
 ONE_RANK_FAILS = ("build_fails", "set_epoch_fails", "size_differs")
 TIMEOUT = 240
 SAMPLES = 45
@@ -45,7 +47,7 @@ def _cases(ns: str) -> list[str]:
     if ns == "pytorch_lightning":
         return [*LOADERS, "masks", *SHAPES[ns], *RESUMES[ns], "object_of_lightning", *NAMES, "draw_fails"]  # fails last
     failing = ["dict_sequential", "ddp:dict_sequential", "batch_balance_buckets", "persistent_masks", *ONE_RANK_FAILS]
-    return [*LOADERS, "masks", *SHAPES[ns], *RESUMES[ns], "servable", *COMBINED, *failing]
+    return [*LOADERS, "masks", *SHAPES[ns], *RESUMES[ns], "servable", *COMBINED, *OWN_BATCHES, *failing]
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +237,23 @@ def test_ranks_with_training_sets_of_different_sizes_are_one_error_naming_each_s
     fast, slow = ranks["lightning.pytorch", "size_differs"]
     assert fast["error"] == slow["error"]
     assert "45 samples in 6 batches on rank 0, 40 samples in 5 batches on rank 1" in fast["error"]
+
+
+@pytest.mark.multiprocess
+def test_an_iterable_of_its_own_batches_trains_ddps_budget_dealt_by_speed_with_identical_ranks(ranks):
+    """A forecasting library's random windows, 10 batches per pass, each rank drawing from its own copy: under ddp
+    each rank trains one pass per epoch (20 batches in all); under oscars the same 20 per epoch, the fast rank more
+    than a pass (it starts a second pass of its copy) and the slow one less, both ending with the same state."""
+    fast, slow = ranks["lightning.pytorch", "own_windows"]
+    assert "error" not in fast and "error" not in slow, (fast.get("traceback"), slow.get("traceback"))
+    assert fast["state"] == slow["state"] and len(fast["trained"]) == len(slow["trained"]) == 3
+    per_pass = 10
+    for mine, theirs in zip(fast["trained"], slow["trained"]):
+        assert (len(mine) + len(theirs)) // 8 == 2 * per_pass  # batches of 8
+    assert fast["steps"] > 3 * per_pass > slow["steps"]
+    assert fast["passes"] > 3 >= slow["passes"]  # the fast rank drew into further passes of its own copy
+    under_ddp = ranks["lightning.pytorch", "ddp:own_windows"]
+    assert [len(rank["trained"][0]) // 8 for rank in under_ddp] == [per_pass, per_pass]
 
 
 @pytest.mark.multiprocess

@@ -16,7 +16,7 @@ from torch.utils.data.distributed import DistributedSampler
 from lightning_oscars.core.driven import DrivenLoader
 from lightning_oscars.core.loader_shape import global_view, loader_shape, unit_source
 
-__all__ = ["EpochOrder", "training_set_size"]
+__all__ = ["EpochOrder", "EpochSampler", "training_set_size"]
 
 
 class EpochOrder:
@@ -137,3 +137,13 @@ def _global_seed() -> int:
         return int(value) if value is not None else 0
     except ValueError:
         return 0
+
+
+class EpochSampler:
+    """Holds the epoch number for Lightning's ``set_epoch`` call (the load-balanced loader's ``sampler``)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch

@@ -36,10 +36,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_oscars.core.combined import empty_batch, plan_batches
 from lightning_oscars.core.deadline import DeadlinePacer
-from lightning_oscars.core.driven import DrivenLoader, batch_rows
-from lightning_oscars.core.epoch_order import EpochOrder, training_set_size
+from lightning_oscars.core.driven import batch_rows
+from lightning_oscars.core.epoch_order import EpochOrder, EpochSampler, training_set_size
 from lightning_oscars.core.loader_shape import (
     UnitFeed,
+    batch_source,
     check_unit_loader,
     feed_batches,
     inner_loader,
@@ -65,16 +66,6 @@ __all__ = [
 ]  # EpochOrder: see epoch_order.py
 
 
-class EpochSampler:
-    """Holds the epoch number for Lightning's ``set_epoch`` call."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-
 class LoadBalancedLoader:
     """Wraps the user's training ``DataLoader``; see the module docstring.
 
@@ -91,7 +82,7 @@ class LoadBalancedLoader:
 
     def __init__(
         self,
-        dataloader: DataLoader,
+        dataloader: Any,  # a DataLoader, or an iterable of its own batches (loader_shape.py)
         rank: int,
         world_size: int,
         shuffle: bool = False,
@@ -104,15 +95,14 @@ class LoadBalancedLoader:
     ) -> None:
         # The unit of the partition: a sample, or one of the user's batches kept whole (loader_shape.py).
         self.shape = loader_shape(dataloader)
-        driven = self.shape == "driven"
-        self._driven = DrivenLoader(dataloader, seed if order is None else order.seed) if driven else None
+        self._driven = batch_source(dataloader, self.shape, seed if order is None else order.seed, world_size)
         size = self._driven.num_batches if self._driven is not None else training_set_size(dataloader)
-        dataset = dataloader.dataset
+        dataset = getattr(dataloader, "dataset", None)  # an iterable of its own batches has none
         check_unit_loader(self.shape, batch_sizes, replica_size)
         if order is None:
             order = EpochOrder("permutation" if shuffle else "sequential", size, seed)
         self.order = order
-        self.dataset: Dataset = dataset
+        self.dataset: Dataset | None = dataset
         self._size_batches(dataloader, batch_sizes, world_size, replica_size)
         self.num_samples = order.num_samples
         if not 0 <= member < replica_size:
@@ -126,11 +116,10 @@ class LoadBalancedLoader:
         self.batches_per_slot = 1
         self.set_batches_per_slot(batches_per_slot)
         self.sampler = EpochSampler()
-        loader_kwargs = inner_loader_kwargs(dataloader)
-        self._loader_kwargs = loader_kwargs
+        self._loader_kwargs = loader_kwargs = inner_loader_kwargs(dataloader)
         self.uses_workers = loader_kwargs.get("num_workers", 0) > 0
         self._feed = UnitFeed()
-        self._inner_loader = inner_loader(dataset, self._feed, self.shape, loader_kwargs)
+        self._inner_loader = self._new_inner_loader()
         self.plan: EpochPlan | None = None
         self.pacer: DeadlinePacer | None = None  # decides the real slots of deadline rounds (set by the strategy)
         self.warmup_gate: WarmupGate | None = None  # decides those of the time-boxed warm-up round (likewise)
@@ -260,6 +249,7 @@ class LoadBalancedLoader:
         if self._driven is not None:
             return self._driven.fetch([units[0] for units in batches])
         self._feed.batches = feed_batches(batches, self.shape)
+        assert self._inner_loader is not None
         return iter(self._inner_loader)
 
     def fetch_one(self, indices: Sequence[Any]) -> Any:
@@ -290,7 +280,13 @@ class LoadBalancedLoader:
         if self._driven is not None:
             self._driven.close()
         # Persistent workers live as long as their DataLoader: a fresh one (no worker until iterated) lets them go.
-        self._inner_loader = inner_loader(self.dataset, self._feed, self.shape, self._loader_kwargs)
+        self._inner_loader = self._new_inner_loader()
+
+    def _new_inner_loader(self) -> DataLoader | None:
+        """The inner loader over the user's dataset (none where the user's loader makes its own batches)."""
+        if self._driven is not None:
+            return None
+        return inner_loader(self.dataset, self._feed, self.shape, self._loader_kwargs)
 
 
 class _EpochIterator:
@@ -379,7 +375,7 @@ class _EpochIterator:
             indices = self._indices(batch)
             item, seconds = self._real_batch(indices)
             samples = len(indices) if owner.shape == "samples" else sum(unit_samples(u) for u in indices)
-            if owner.shape == "driven":
+            if owner.shape in ("driven", "own"):
                 samples = batch_rows(item)
             info = SlotInfo(True, samples, seconds, round_slot)
             self.last_batch = item

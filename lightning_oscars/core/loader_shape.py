@@ -10,6 +10,9 @@ The load-balanced loader (``loader.py``) splits an epoch between ranks unit by u
   sampler often a ``BatchSampler`` yielding index lists, as single-cell and tabular libraries do). The unit is an item.
 * ``"driven"``: a ``DataLoader`` subclass with its own ``__iter__``, or a loader over a loader: driven as written,
   every rank iterating it alike (``driven.py``). The unit is the loader's ``k``-th batch.
+* ``"own"``: an iterable of ready batches that is not a ``DataLoader`` (a library's batch iterator): every rank
+  draws from its own copy, ddp's budget of ``world_size`` passes dealt by speed (``own_batches.py``). The unit is
+  one of those batches.
 
 Under the last two every batch the user's sampler yields is trained once per epoch, in its order; a batch is not
 split, so per-rank batch sizes and replica groups do not apply. A sampler that is a ``DistributedSampler`` subclass
@@ -26,11 +29,13 @@ from typing import Any, Literal
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from lightning_oscars.core.driven import is_driven
+from lightning_oscars.core.driven import DrivenLoader, is_driven
+from lightning_oscars.core.own_batches import OwnBatches, is_own_batches
 
 __all__ = [
     "LoaderShape",
     "UnitFeed",
+    "batch_source",
     "check_unit_loader",
     "describe_shape",
     "feed_batches",
@@ -42,7 +47,7 @@ __all__ = [
     "unit_source",
 ]
 
-LoaderShape = Literal["samples", "batch_sampler", "items", "driven"]
+LoaderShape = Literal["samples", "batch_sampler", "items", "driven", "own"]
 
 # DataLoader arguments carried over from the user's loader to the inner one.
 _CARRIED = (
@@ -59,9 +64,11 @@ _CARRIED = (
 )
 
 
-def inner_loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
+def inner_loader_kwargs(dataloader: Any) -> dict[str, Any]:
     """What an inner ``DataLoader`` over the user's dataset takes from the user's loader (collate function, workers,
-    pinning, ...); the worker-only arguments only when it has workers."""
+    pinning, ...); the worker-only arguments only when it has workers. None for an iterable of its own batches."""
+    if is_own_batches(dataloader):
+        return {}
     kwargs = {k: getattr(dataloader, k) for k in _CARRIED if hasattr(dataloader, k)}
     if kwargs.get("num_workers", 0) == 0:
         for key in ("prefetch_factor", "persistent_workers", "timeout"):
@@ -69,13 +76,25 @@ def inner_loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
     return kwargs
 
 
-def loader_shape(dataloader: DataLoader) -> LoaderShape:
+def loader_shape(dataloader: Any) -> LoaderShape:
     """Which of the module docstring's shapes ``dataloader`` is."""
+    if is_own_batches(dataloader):
+        return "own"
     if is_driven(dataloader):
         return "driven"
     if dataloader.batch_size is not None:
         return "samples"
     return "batch_sampler" if dataloader.batch_sampler is not None else "items"
+
+
+def batch_source(
+    dataloader: Any, shape: LoaderShape, seed: int, world_size: int
+) -> DrivenLoader | OwnBatches | None:
+    """What makes the batches of a loader that makes its own (``"driven"``, ``"own"``); ``None`` for the others,
+    whose batches an inner loader fetches by index."""
+    if shape == "driven":
+        return DrivenLoader(dataloader, seed)
+    return OwnBatches(dataloader, world_size) if shape == "own" else None
 
 
 def unit_source(dataloader: DataLoader) -> object:
@@ -156,6 +175,7 @@ def describe_shape(shape: LoaderShape) -> str:
         "batch_sampler": "a custom batch_sampler",
         "items": "batch_size=None (its sampler yields batches)",
         "driven": "its own iteration (a DataLoader subclass overriding __iter__)",
+        "own": "batches of its own (an iterable that is not a DataLoader)",
     }[shape]
 
 

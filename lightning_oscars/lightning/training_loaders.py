@@ -5,7 +5,7 @@ returns several (a dict or list: Lightning's ``CombinedLoader``) one leads the p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -30,18 +30,19 @@ def build_loader(
     training set of another size) is every rank's error, before Lightning's next collective."""
 
     def build() -> LoadBalancedLoader:
-        if not isinstance(dataloader, DataLoader):
-            raise ValueError(
-                f"strategy='oscars' needs a torch DataLoader for training, got {type(dataloader).__name__}"
-            )
-        batches_per_slot = internals.accumulation_at(trainer, trainer.current_epoch)
-        order = EpochOrder.of_loader(dataloader, seed, internals.unwrap_sampler)
+        if not isinstance(dataloader, Iterable):
+            raise ValueError(f"strategy='oscars' needs an iterable for training, got {type(dataloader).__name__}")
+        batches_per_slot, unwrap = internals.accumulation_at(trainer, trainer.current_epoch), internals.unwrap_sampler
+        # An iterable of its own batches (not a DataLoader) has no sampler: its order is its own (own_batches.py).
+        order = None if not isinstance(dataloader, DataLoader) else EpochOrder.of_loader(dataloader, seed, unwrap)
         return LoadBalancedLoader(dataloader, batches_per_slot=batches_per_slot, order=order, **place)
 
     return on_every_rank(strategy, "building the training loader", build, agree=_units_of)
 
 
 def _units_of(loader: LoadBalancedLoader) -> str:
+    if loader.shape == "own":
+        return f"{loader.num_batches // loader.world_size} batches per pass"
     unit = "samples" if loader.shape == "samples" else "batches of the user's"
     return f"{loader.num_samples} {unit} in {loader.num_batches} batches"
 
